@@ -1,0 +1,79 @@
+"""Byte-addressed tensors: every weight is a (file, offset, length, type, shape) record.
+
+Both GGUF files and safetensors folders are reduced to ``TensorRef``s, so the rest of
+the engine reads one kind of thing, and a routed expert is just a few byte ranges that
+the expert store can fetch on its own (with O_DIRECT, into a cache slot).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backend.formats.quants import QType, dequantize, tensor_nbytes
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    path: Path
+    offset: int  # absolute byte offset in `path`
+    nbytes: int
+    qtype: QType
+    shape: tuple[int, ...]  # row-major; the last dim is GGUF's ne[0]
+
+    def __post_init__(self) -> None:
+        if tensor_nbytes(self.qtype, self.shape) != self.nbytes:
+            raise ValueError(
+                f"{self.shape} {self.qtype.name} needs {tensor_nbytes(self.qtype, self.shape)} bytes, not {self.nbytes}"
+            )
+
+    def slice_rows(self, start: int, count: int) -> TensorRef:
+        """Rows ``start:start+count`` of the first dim (a view of a contiguous sub-range)."""
+        row = self.nbytes // self.shape[0]
+        return TensorRef(
+            self.path, self.offset + start * row, count * row, self.qtype, (count, *self.shape[1:])
+        )
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class MappedFiles:
+    """Read-only (copy-on-write) memory maps of the model files, opened once each."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def bytes_of(self, ref: TensorRef) -> torch.Tensor:
+        """The raw bytes of ``ref`` as a uint8 CPU tensor viewing the map (no copy)."""
+        with self._lock:
+            entry = self._maps.get(ref.path)
+            if entry is None:
+                with open(ref.path, "rb") as f:
+                    # ACCESS_COPY gives a writable buffer torch accepts; the file is never written.
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                entry = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+                self._maps[ref.path] = entry
+        return entry[1][ref.offset : ref.offset + ref.nbytes]
+
+    def load(
+        self, ref: TensorRef, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> torch.Tensor:
+        raw = self.bytes_of(ref)
+        if ref.qtype in (QType.F32, QType.F16, QType.BF16):
+            # Float tensors: view then copy, so the result never aliases the map.
+            return dequantize(raw, ref.qtype, ref.shape, dtype).to(device, copy=True)
+        return dequantize(raw.to(device), ref.qtype, ref.shape, dtype)
+
+    def close(self) -> None:
+        with self._lock:
+            self._maps.clear()

@@ -1,0 +1,152 @@
+"""What the families share: reading configs, mapping names, checking shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from backend.errors import ModelLoadError
+from backend.formats.gguf import GGUFFile
+from backend.formats.tensors import TensorRef
+from backend.models.config import ModelConfig
+from backend.models.weights import ExpertRef
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how to read its config and where its tensors are named."""
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    gguf_architectures: tuple[str, ...]
+    config_from_hf: Callable[[dict], ModelConfig]
+    config_from_gguf: Callable[[GGUFFile], ModelConfig]
+    hf_moe_prefix: str = "mlp"
+    hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    extra: dict = field(default_factory=dict)
+
+
+def hf_config(cfg: dict, family: str, **overrides: object) -> ModelConfig:
+    """The fields every HF decoder config has, plus family-specific overrides."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"unsupported rope scaling {rope_type!r}")
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    heads = cfg["num_attention_heads"]
+    fields = dict(
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg.get("intermediate_size", 0),
+        rms_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        context_length=cfg.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def gguf_config(g: GGUFFile, family: str, **overrides: object) -> ModelConfig:
+    heads = int(g.get("attention.head_count"))
+    hidden = int(g.get("embedding_length"))
+    tokens = g.metadata.get("tokenizer.ggml.tokens")
+    vocab = g.get("vocab_size") or (
+        len(tokens) if tokens else g.tensors["token_embd.weight"].shape[0]
+    )
+    fields = dict(
+        family=family,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        n_layers=int(g.get("block_count")),
+        n_heads=heads,
+        n_kv_heads=int(g.get("attention.head_count_kv", heads)),
+        head_dim=int(g.get("attention.key_length", hidden // heads)),
+        intermediate_size=int(g.get("feed_forward_length", 0) or 0),
+        rms_eps=float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(g.get("rope.freq_base", 10000.0)),
+        context_length=int(g.get("context_length", 4096)),
+        n_experts=int(g.get("expert_count", 0) or 0),
+        top_k=int(g.get("expert_used_count", 0) or 0),
+        tie_embeddings="output.weight" not in g.tensors,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def with_sparse_layers(config: ModelConfig, has_router: Callable[[int], bool]) -> ModelConfig:
+    """Mark which layers route (some MoE models keep dense MLPs in a few layers)."""
+    sparse = tuple(config.n_experts > 0 and has_router(i) for i in range(config.n_layers))
+    return replace(config, sparse_layers=sparse)
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical dense tensor name -> row-major shape the config implies."""
+    D, q, kv = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd": (c.vocab_size, D), "output_norm": (D,)}
+    if not c.tie_embeddings:
+        shapes["output"] = (c.vocab_size, D)
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        shapes |= {
+            p + "attn_norm": (D,),
+            p + "attn_q": (q, D),
+            p + "attn_k": (kv, D),
+            p + "attn_v": (kv, D),
+        }
+        shapes |= {p + "attn_output": (D, q), p + "ffn_norm": (D,)}
+        if c.attn_bias:
+            shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        if c.qk_norm == "head":
+            shapes |= {p + "attn_q_norm": (c.head_dim,), p + "attn_k_norm": (c.head_dim,)}
+        elif c.qk_norm == "full":
+            shapes |= {p + "attn_q_norm": (q,), p + "attn_k_norm": (kv,)}
+        if c.sparse_layers[i]:
+            shapes[p + "ffn_gate_inp"] = (c.n_experts, D)
+            if c.shared_expert_size:
+                S = c.shared_expert_size
+                shapes |= {
+                    p + "ffn_gate_shexp": (S, D),
+                    p + "ffn_up_shexp": (S, D),
+                    p + "ffn_down_shexp": (D, S),
+                }
+                shapes[p + "ffn_gate_inp_shexp"] = (1, D)
+        else:
+            I = c.intermediate_size
+            shapes |= {p + "ffn_gate": (I, D), p + "ffn_up": (I, D), p + "ffn_down": (D, I)}
+    return shapes
+
+
+def check_shape(path: Path, name: str, ref: TensorRef, want: tuple[int, ...]) -> TensorRef:
+    if ref.shape == want:
+        return ref
+    n = 1
+    for s in want:
+        n *= s
+    # A 1-row matrix stored as a vector (GGUF's ffn_gate_inp_shexp) is the same bytes.
+    if want[0] == 1 and ref.shape == want[1:]:
+        return TensorRef(ref.path, ref.offset, ref.nbytes, ref.qtype, want)
+    raise ModelLoadError(
+        path, f"tensor {name} has shape {list(ref.shape)}, but the config implies {list(want)}"
+    )
+
+
+def check_expert(path: Path, c: ModelConfig, e: ExpertRef) -> None:
+    D, I = c.hidden_size, c.expert_intermediate_size
+    for part, want in zip(e.parts, ((I, D), (I, D), (D, I)), strict=True):
+        if part.shape != want:
+            raise ModelLoadError(
+                path,
+                f"expert {e.expert} of layer {e.layer} has a tensor of shape {list(part.shape)}, but the config implies {list(want)}",
+            )
+
+
+def hf_n_experts(cfg: dict) -> int:
+    """Routed experts per layer (transformers 5 writes ``num_local_experts`` for every family)."""
+    return int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])

@@ -1,0 +1,63 @@
+"""Model hyper-parameters shared by every family (frozen, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # registry key: llama, mixtral, qwen3_moe, olmoe, qwen2_moe
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (layers without routed experts)
+    rms_eps: float
+    rope_theta: float
+    rope_interleaved: bool = False  # GGUF llama q/k are permuted: rotate adjacent pairs
+    context_length: int = 4096
+    n_experts: int = 0
+    top_k: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k softmax weights to sum to 1
+    qk_norm: str | None = None  # "head": RMSNorm per head (qwen3); "full": over all heads (olmoe)
+    attn_bias: bool = False
+    shared_expert_size: int = 0  # qwen2_moe: always-on expert with a sigmoid gate
+    clip_qkv: float | None = None
+    sparse_layers: tuple[bool, ...] = field(default=())  # True where the MLP is routed experts
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.qk_norm not in (None, "head", "full"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
+        if self.n_experts:
+            if not 0 < self.top_k <= self.n_experts:
+                raise ValueError(f"top_k must be in 1..{self.n_experts}, got {self.top_k}")
+            if self.expert_intermediate_size <= 0:
+                raise ValueError("expert_intermediate_size must be positive for an MoE")
+        if not self.sparse_layers:
+            object.__setattr__(self, "sparse_layers", (self.n_experts > 0,) * self.n_layers)
+        if len(self.sparse_layers) != self.n_layers:
+            raise ValueError("sparse_layers must have one entry per layer")
+        if self.n_experts == 0 and any(self.sparse_layers):
+            raise ValueError("sparse layers need n_experts > 0")
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.sparse_layers)
+
+    @property
+    def n_routed_experts(self) -> int:
+        """Routed experts in the whole model: the units the offloading engine moves."""
+        return self.n_experts * sum(self.sparse_layers)

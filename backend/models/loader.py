@@ -1,0 +1,250 @@
+"""Load a GGUF file or an HF folder into a ``LoadedModel`` (dense part resident, experts by reference)."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backend.errors import ModelLoadError
+from backend.formats.gguf import GGUFFile, is_gguf, read_gguf
+from backend.formats.safetensors import HFFolder, is_hf_folder, read_hf_folder
+from backend.formats.tensors import MappedFiles, TensorRef
+from backend.models import registry
+from backend.models.common import (
+    Family,
+    check_expert,
+    check_shape,
+    expected_shapes,
+    with_sparse_layers,
+)
+from backend.models.config import ModelConfig
+from backend.models.transformer import Transformer
+from backend.models.weights import ExpertRef, ResidentExperts
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    transformer: Transformer
+    experts: list[list[ExpertRef]]  # [layer][expert]; empty list for dense layers
+    files: MappedFiles
+    tokenizer: object | None  # backend.formats.tokenizer.Tokenizer
+    quant: str
+    size_bytes: int
+    dense_refs: dict[str, TensorRef]  # canonical name -> where the resident weight came from
+
+    def resident_experts(self, budget_mib: int = 3072) -> ResidentExperts:
+        t = self.transformer
+        return ResidentExperts(self.files, self.experts, t.dtype, t.device, budget_mib << 20)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(e.nbytes for layer in self.experts for e in layer)
+
+
+def _gguf_layout(
+    g: GGUFFile,
+) -> tuple[Family, ModelConfig, Callable[[str], str], Callable[[int, int], tuple[TensorRef, ...]]]:
+    has_experts = int(g.get("expert_count", 0) or 0) > 0
+    fam = registry.gguf_family(g.arch, has_experts)
+    if fam is None:
+        known = ", ".join(registry.GGUF_ARCHITECTURES)
+        raise ModelLoadError(g.path, f"unknown architecture {g.arch!r} (supported: {known})")
+    config = with_sparse_layers(
+        fam.config_from_gguf(g), lambda i: f"blk.{i}.ffn_gate_inp.weight" in g.tensors
+    )
+
+    def name(canonical: str) -> str:
+        return canonical if canonical.endswith(".bias") else canonical + ".weight"
+
+    def expert(layer: int, e: int) -> tuple[TensorRef, ...]:
+        p = f"blk.{layer}."
+        if p + "ffn_gate_exps.weight" in g.tensors:
+            fused = [g.tensors[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")]
+            return tuple(
+                TensorRef(
+                    t.path,
+                    t.offset + e * (t.nbytes // t.shape[0]),
+                    t.nbytes // t.shape[0],
+                    t.qtype,
+                    t.shape[1:],
+                )
+                for t in fused
+            )
+        return tuple(g.tensors[p + f"ffn_{n}.{e}.weight"] for n in ("gate", "up", "down"))
+
+    return fam, config, name, expert
+
+
+def _hf_layout(
+    h: HFFolder,
+) -> tuple[Family, ModelConfig, Callable[[str], str], Callable[[int, int], tuple[TensorRef, ...]]]:
+    archs = h.config.get("architectures") or []
+    fam = next((f for a in archs if (f := registry.hf_family(a))), None)
+    if fam is None:
+        known = ", ".join(registry.HF_ARCHITECTURES)
+        raise ModelLoadError(
+            h.path / "config.json", f"unknown architecture {archs} (supported: {known})"
+        )
+    try:
+        config = fam.config_from_hf(h.config)
+    except KeyError as exc:
+        raise ModelLoadError(h.path / "config.json", f"missing key {exc.args[0]!r}") from None
+    moe = fam.hf_moe_prefix
+    config = with_sparse_layers(
+        config, lambda i: f"model.layers.{i}.{moe}.gate.weight" in h.tensors
+    )
+    attn = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+    }
+    attn |= {
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "attn_norm": "input_layernorm",
+    }
+    attn |= {"ffn_norm": "post_attention_layernorm", "ffn_gate_inp": f"{moe}.gate"}
+    attn |= {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    attn |= {f"ffn_{n}_shexp": f"mlp.shared_expert.{n}_proj" for n in ("gate", "up", "down")}
+    attn["ffn_gate_inp_shexp"] = "mlp.shared_expert_gate"
+    top = {
+        "token_embd": "model.embed_tokens.weight",
+        "output_norm": "model.norm.weight",
+        "output": "lm_head.weight",
+    }
+
+    def name(canonical: str) -> str:
+        if canonical in top:
+            return top[canonical]
+        _, layer, rest = canonical.split(".", 2)
+        base, _, suffix = rest.partition(".")
+        return f"model.layers.{layer}.{attn[base]}.{suffix or 'weight'}"
+
+    def expert(layer: int, e: int) -> tuple[TensorRef, ...]:
+        p = f"model.layers.{layer}.{moe}.experts.{e}."
+        return tuple(h.tensors[p + n + ".weight"] for n in fam.hf_expert_names)
+
+    return fam, config, name, expert
+
+
+@dataclass
+class ModelInfo:
+    """What a model file says about itself, read from headers only (nothing loaded)."""
+
+    path: Path
+    config: ModelConfig
+    dense_refs: dict[str, TensorRef]
+    experts: list[list[ExpertRef]]
+    quant: str
+    size_bytes: int
+    source: GGUFFile | HFFolder
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.path.is_file() else self.path.name
+
+
+def inspect_model(path: str | os.PathLike) -> ModelInfo:
+    """Read headers and check every tensor's shape against the config."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(path, "no such file or folder")
+    if path.is_file() and is_gguf(path):
+        src: GGUFFile | HFFolder = read_gguf(path)
+        _, config, name, expert = _gguf_layout(src)
+    elif is_hf_folder(path):
+        src = read_hf_folder(path)
+        _, config, name, expert = _hf_layout(src)
+    elif path.is_file():
+        raise ModelLoadError(path, "not a GGUF file (bad magic) and not a model folder")
+    else:
+        raise ModelLoadError(
+            path, "folder has no config.json (expected a Hugging Face model folder)"
+        )
+    refs: dict[str, TensorRef] = {}
+    for canonical, want in expected_shapes(config).items():
+        key = name(canonical)
+        if key not in src.tensors:
+            raise ModelLoadError(path, f"missing tensor {key}")
+        refs[canonical] = check_shape(path, key, src.tensors[key], want)
+    experts: list[list[ExpertRef]] = []
+    for layer in range(config.n_layers):
+        row = []
+        for e in range(config.n_experts if config.sparse_layers[layer] else 0):
+            try:
+                gate, up, down = expert(layer, e)
+            except KeyError as exc:
+                raise ModelLoadError(path, f"missing expert tensor {exc.args[0]}") from None
+            ref = ExpertRef(layer, e, gate, up, down)
+            check_expert(path, config, ref)
+            row.append(ref)
+        experts.append(row)
+    all_refs = list(src.tensors.values())
+    # Name the file by its main weight type: the one holding the most bytes among the
+    # quantized tensors (norms and routers stay F32 even in quantized files).
+    by_bytes: Counter[str] = Counter()
+    for r in all_refs:
+        by_bytes[r.qtype.name] += r.nbytes
+    quantized = Counter({k: v for k, v in by_bytes.items() if k not in ("F32", "F16", "BF16")})
+    quant = (quantized or by_bytes).most_common(1)[0][0]
+    size = (
+        path.stat().st_size
+        if path.is_file()
+        else sum(p.stat().st_size for p in {r.path for r in all_refs})
+    )
+    return ModelInfo(path, config, refs, experts, quant, size, src)
+
+
+def load_model(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Inspect, then load the dense part onto ``device``; experts stay in the file."""
+    info = inspect_model(path)
+    device = torch.device(device)
+    files = MappedFiles()
+    dense: dict[str, torch.Tensor] = {}
+    for i, (canonical, ref) in enumerate(info.dense_refs.items()):
+        dense[canonical] = files.load(ref, dtype, device)
+        if progress:
+            progress(i + 1, len(info.dense_refs))
+    transformer = Transformer(info.config, dense, info.experts, device, dtype)
+    tokenizer = _tokenizer(info.path, info.source)
+    return LoadedModel(
+        info.path,
+        info.config,
+        transformer,
+        info.experts,
+        files,
+        tokenizer,
+        info.quant,
+        info.size_bytes,
+        info.dense_refs,
+    )
+
+
+def _tokenizer(path: Path, src: GGUFFile | HFFolder) -> object | None:
+    """The model's tokenizer, or None for weight-only files (tiny test models)."""
+    if isinstance(src, GGUFFile):
+        if "tokenizer.ggml.tokens" not in src.metadata:
+            return None
+        from backend.formats.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf_metadata(src.metadata, path)
+    if not (path / "tokenizer.json").exists():
+        return None
+    from backend.formats.tokenizer import Tokenizer
+
+    return Tokenizer.from_hf_folder(path)

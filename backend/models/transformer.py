@@ -1,0 +1,238 @@
+"""The decoder all supported families share, split into the pieces the engine schedules.
+
+A layer is ``attention_block`` then, for sparse layers, ``ffn_input`` + ``route`` +
+``moe`` (routed experts, fetched one at a time) + ``shared_expert``; for dense layers
+``dense_mlp``. ``forward`` strings them together as the plain sequential reference.
+
+Legend: T tokens in the batch, D hidden, H heads, G kv heads, Dh head dim,
+E experts, K top-k, I expert width, V vocab, S cached positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from backend.models.config import ModelConfig
+from backend.models.weights import ExpertRef, ExpertWeights
+
+GetExpert = Callable[[int, int], ExpertWeights]
+
+
+@dataclass
+class KVCache:
+    """One sequence's keys and values, per layer, grown geometrically."""
+
+    n_layers: int
+    k: list[torch.Tensor | None] = field(default_factory=list)
+    v: list[torch.Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.k = [None] * self.n_layers
+        self.v = [None] * self.n_layers
+
+    def write(
+        self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [G, n, Dh] at positions start.. and return the cached prefix [G, start+n, Dh]."""
+        end = start + k.shape[1]
+        buf_k, buf_v = self.k[layer], self.v[layer]
+        if buf_k is None or buf_k.shape[1] < end:
+            cap = max(end, 2 * (0 if buf_k is None else buf_k.shape[1]), 64)
+            new_k = k.new_empty(k.shape[0], cap, k.shape[2])
+            new_v = v.new_empty(v.shape[0], cap, v.shape[2])
+            if buf_k is not None:
+                new_k[:, :start] = buf_k[:, :start]
+                new_v[:, :start] = buf_v[:, :start]
+            self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[:, start:end] = k
+        buf_v[:, start:end] = v
+        return buf_k[:, :end], buf_v[:, :end]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+
+
+@dataclass
+class SeqSlice:
+    """``n`` consecutive tokens of one sequence, starting at position ``start``, in a batch."""
+
+    kv: KVCache
+    start: int
+    n: int
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class Transformer:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dense: dict[str, torch.Tensor],
+        experts: list[list[ExpertRef]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.w = dense
+        self.experts = experts
+        self.device = device
+        self.dtype = dtype
+        c = config
+        self._inv_freq = 1.0 / (
+            c.rope_theta
+            ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float().to(device) / c.head_dim)
+        )
+
+    # --- pieces -------------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w["token_embd"][ids]  # [T, D]
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # x [T, H, Dh], pos [T]
+        freqs = pos.float()[:, None] * self._inv_freq[None, :]  # [T, Dh/2]
+        cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
+        if self.config.rope_interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    def attention_block(
+        self, layer: int, h: torch.Tensor, seqs: Sequence[SeqSlice]
+    ) -> torch.Tensor:
+        """h + attention(norm(h)) for a batch of sequence slices; writes their KV."""
+        c, w, p = self.config, self.w, f"blk.{layer}."
+        T = h.shape[0]
+        x = rms_norm(h, w[p + "attn_norm"], c.rms_eps)
+        q, k, v = (
+            F.linear(x, w[p + n], w.get(p + n + ".bias")) for n in ("attn_q", "attn_k", "attn_v")
+        )
+        if c.qk_norm == "full":
+            q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
+            k = rms_norm(k, w[p + "attn_k_norm"], c.rms_eps)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q = q.view(T, c.n_heads, c.head_dim)  # [T, H, Dh]
+        k = k.view(T, c.n_kv_heads, c.head_dim)  # [T, G, Dh]
+        v = v.view(T, c.n_kv_heads, c.head_dim)
+        if c.qk_norm == "head":
+            q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
+            k = rms_norm(k, w[p + "attn_k_norm"], c.rms_eps)
+        pos = torch.cat([torch.arange(s.start, s.start + s.n, device=h.device) for s in seqs])
+        q, k = self._rope(q, pos), self._rope(k, pos)
+        out = torch.empty(T, c.n_heads, c.head_dim, dtype=h.dtype, device=h.device)
+        row = 0
+        rep = c.n_heads // c.n_kv_heads
+        for s in seqs:
+            kk, vv = s.kv.write(layer, s.start, k[row : row + s.n].transpose(0, 1), v[row : row + s.n].transpose(0, 1))
+            # Fold each kv group's query heads into its query axis: [G, rep*n, Dh]. One
+            # batched SDPA over G groups is much faster on CPU than the enable_gqa path.
+            qq = q[row : row + s.n].view(s.n, c.n_kv_heads, rep, c.head_dim).permute(1, 2, 0, 3).reshape(c.n_kv_heads, rep * s.n, c.head_dim)
+            mask = None
+            if s.n > 1:
+                qpos = torch.arange(s.start, s.start + s.n, device=h.device)
+                mask = torch.arange(s.start + s.n, device=h.device)[None, :] <= qpos[:, None]  # [n, S]
+                mask = mask.repeat(rep, 1)  # [rep*n, S]
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)  # [G, rep*n, Dh]
+            out[row : row + s.n] = o.view(c.n_kv_heads, rep, s.n, c.head_dim).permute(2, 0, 1, 3).reshape(s.n, c.n_heads, c.head_dim)
+            row += s.n
+        return h + F.linear(out.reshape(T, -1), w[p + "attn_output"])
+
+    def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.w[f"blk.{layer}.ffn_norm"], self.config.rms_eps)
+
+    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [T, K] and weights [T, K] (softmax over all, then top-k)."""
+        logits = F.linear(x, self.w[f"blk.{layer}.ffn_gate_inp"]).float()  # [T, E]
+        probs = logits.softmax(-1)
+        weights, ids = probs.topk(self.config.top_k, dim=-1)
+        if self.config.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    @staticmethod
+    def expert_mlp(weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = weights
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+    def moe(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        get_expert: GetExpert,
+    ) -> torch.Tensor:
+        """Sum over each token's routed experts, one expert at a time: [T, D]."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            y = self.expert_mlp(get_expert(layer, e), x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y)
+        return out
+
+    def shared_expert(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+        if not self.config.shared_expert_size:
+            return None
+        p = f"blk.{layer}."
+        y = self.expert_mlp(
+            (
+                self.w[p + "ffn_gate_shexp"],
+                self.w[p + "ffn_up_shexp"],
+                self.w[p + "ffn_down_shexp"],
+            ),
+            x,
+        )
+        return torch.sigmoid(F.linear(x, self.w[p + "ffn_gate_inp_shexp"])) * y
+
+    def dense_mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        p = f"blk.{layer}."
+        return self.expert_mlp(
+            (self.w[p + "ffn_gate"], self.w[p + "ffn_up"], self.w[p + "ffn_down"]), x
+        )
+
+    def ffn_block(self, layer: int, h: torch.Tensor, get_expert: GetExpert) -> torch.Tensor:
+        x = self.ffn_input(layer, h)
+        if not self.config.sparse_layers[layer]:
+            return h + self.dense_mlp(layer, x)
+        ids, weights = self.route(layer, x)
+        y = self.moe(layer, x, ids, weights, get_expert)
+        shared = self.shared_expert(layer, x)
+        return h + (y if shared is None else y + shared)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(h, self.w["output_norm"], self.config.rms_eps)
+        head = self.w["token_embd"] if self.config.tie_embeddings else self.w["output"]
+        return F.linear(x, head).float()  # [T, V]
+
+    # --- the sequential reference ------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: torch.Tensor,
+        seqs: Sequence[SeqSlice],
+        get_expert: GetExpert,
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """Logits for a batch of sequence slices (each slice's last token if ``last_only``)."""
+        h = self.embed(ids)
+        for layer in range(self.config.n_layers):
+            h = self.attention_block(layer, h, seqs)
+            h = self.ffn_block(layer, h, get_expert)
+        if last_only:
+            ends = torch.tensor([0] + [s.n for s in seqs], device=h.device).cumsum(0)[1:] - 1
+            h = h[ends]
+        return self.logits(h)

@@ -1,0 +1,92 @@
+"""Where a model's weights live: dense tensors by canonical name, routed experts by (layer, expert).
+
+Canonical names follow GGUF (``token_embd``, ``blk.3.attn_q``, ``blk.3.attn_q.bias``, ...);
+each family maps its Hugging Face names onto them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from backend.formats.tensors import MappedFiles, TensorRef
+
+# One expert's dequantized weights: gate [I, D], up [I, D], down [D, I].
+ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ExpertRef:
+    """A routed expert: a separately fetchable unit of three byte ranges in the model file."""
+
+    layer: int
+    expert: int
+    gate: TensorRef
+    up: TensorRef
+    down: TensorRef
+
+    @property
+    def parts(self) -> tuple[TensorRef, TensorRef, TensorRef]:
+        return (self.gate, self.up, self.down)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+def dequantize_expert(raw: torch.Tensor, ref: ExpertRef, dtype: torch.dtype) -> ExpertWeights:
+    """Dequantize an expert held as one contiguous buffer (gate | up | down, stored form)."""
+    from backend.formats.quants import dequantize
+
+    out = []
+    start = 0
+    for part in ref.parts:
+        out.append(dequantize(raw[start : start + part.nbytes], part.qtype, part.shape, dtype))
+        start += part.nbytes
+    return out[0], out[1], out[2]
+
+
+class ResidentExperts:
+    """All experts readable from memory-mapped files, dequantized on use.
+
+    The plain (non-offloading) path: dequantized weights are kept in an LRU bounded by
+    ``budget_bytes`` because dequantizing every expert on every token dominates otherwise.
+    """
+
+    def __init__(
+        self,
+        files: MappedFiles,
+        experts: list[list[ExpertRef]],
+        dtype: torch.dtype,
+        device: torch.device,
+        budget_bytes: int,
+    ) -> None:
+        self.files = files
+        self.experts = experts
+        self.dtype = dtype
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self._lru: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
+        self._bytes = 0
+
+    def raw(self, ref: ExpertRef) -> torch.Tensor:
+        return torch.cat([self.files.bytes_of(p) for p in ref.parts])
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        hit = self._lru.get(key)
+        if hit is not None:
+            self._lru.move_to_end(key)
+            return hit
+        ref = self.experts[layer][expert]
+        weights = dequantize_expert(self.raw(ref).to(self.device), ref, self.dtype)
+        size = sum(w.numel() * w.element_size() for w in weights)
+        if size <= self.budget_bytes:
+            while self._bytes + size > self.budget_bytes:
+                _, old = self._lru.popitem(last=False)
+                self._bytes -= sum(w.numel() * w.element_size() for w in old)
+            self._lru[key] = weights
+            self._bytes += size
+        return weights

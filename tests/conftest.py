@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The dense SmolLM2-135M-Instruct Q4_1 GGUF (downloaded once into the cache dir)."""
+    from backend.demo_source import ensure_base_gguf
+
+    return ensure_base_gguf(quiet=True)
