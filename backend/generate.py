@@ -27,15 +27,27 @@ class Generation:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return (len(self.token_ids) - 1) / self.decode_s if self.decode_s > 0 and len(self.token_ids) > 1 else 0.0
+        return (
+            (len(self.token_ids) - 1) / self.decode_s
+            if self.decode_s > 0 and len(self.token_ids) > 1
+            else 0.0
+        )
 
 
-def chat_prompt_ids(model: LoadedModel, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def chat_prompt_ids(
+    model: LoadedModel, messages: list[dict], tools: list[dict] | None = None
+) -> list[int]:
     """Render ``messages`` with the model's chat template and tokenize."""
     tok = model.tokenizer
     if tok is None:
         raise BevyError(f"{model.path}: the model has no tokenizer")
-    text = render_chat(tok.chat_template or DEFAULT_TEMPLATE, messages, tools=tools, bos_token=tok.bos_token, eos_token=tok.eos_token)
+    text = render_chat(
+        tok.chat_template or DEFAULT_TEMPLATE,
+        messages,
+        tools=tools,
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+    )
     ids = tok.encode(text, add_special=False)
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
         ids.insert(0, tok.bos_id)
@@ -60,7 +72,10 @@ class StopMatcher:
             self.stopped = True
             out, self.pending = self.pending[:cut], ""
             return out
-        keep = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        keep = max(
+            (k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])),
+            default=0,
+        )
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(out) :]
         return out
@@ -82,7 +97,9 @@ def generate(
     if not prompt_ids:
         raise BevyError("the prompt is empty")
     if len(prompt_ids) >= cfg.context_length:
-        raise BevyError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {cfg.context_length}")
+        raise BevyError(
+            f"the prompt has {len(prompt_ids)} tokens; the model's context is {cfg.context_length}"
+        )
     get_expert = get_expert or model.resident_experts().get
     gen = make_generator(params)
     kv = KVCache(cfg.n_layers)
@@ -92,7 +109,9 @@ def generate(
     out_ids: list[int] = []
     text = []
     t0 = time.perf_counter()
-    logits = t.forward(torch.tensor(prompt_ids, device=t.device), [SeqSlice(kv, 0, len(prompt_ids))], get_expert)[0]
+    logits = t.forward(
+        torch.tensor(prompt_ids, device=t.device), [SeqSlice(kv, 0, len(prompt_ids))], get_expert
+    )[0]
     prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     finish = "length"
@@ -114,7 +133,9 @@ def generate(
                 break
         if len(out_ids) >= params.max_tokens or pos + 1 >= cfg.context_length:
             break
-        logits = t.forward(torch.tensor([nxt], device=t.device), [SeqSlice(kv, pos, 1)], get_expert)[0]
+        logits = t.forward(
+            torch.tensor([nxt], device=t.device), [SeqSlice(kv, pos, 1)], get_expert
+        )[0]
         pos += 1
     if decoder is not None and not stops.stopped:
         tail = stops.feed(decoder.flush()) + stops.flush()
@@ -122,4 +143,6 @@ def generate(
             text.append(tail)
             if on_text:
                 on_text(tail)
-    return Generation("".join(text), out_ids, finish, len(prompt_ids), prefill_s, time.perf_counter() - t1)
+    return Generation(
+        "".join(text), out_ids, finish, len(prompt_ids), prefill_s, time.perf_counter() - t1
+    )

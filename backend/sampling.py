@@ -11,18 +11,27 @@ from backend.config import SamplingParams
 
 def make_generator(params: SamplingParams) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    g.manual_seed(
+        params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+    )
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, history: Sequence[int] = ()) -> int:
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    history: Sequence[int] = (),
+) -> int:
     """``logits`` [V] (float32, any device) -> token id. ``history``: ids seen so far."""
     logits = logits.float().cpu()
     if params.repetition_penalty != 1.0 and history:
         seen = torch.tensor(sorted(set(history)), dtype=torch.long)
         vals = logits[seen]
         # As in CTRL/transformers: shrink positive logits, push negative ones further down.
-        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        logits[seen] = torch.where(
+            vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+        )
     if params.greedy:
         return int(logits.argmax())
     logits = logits / params.temperature

@@ -136,17 +136,33 @@ class Transformer:
         row = 0
         rep = c.n_heads // c.n_kv_heads
         for s in seqs:
-            kk, vv = s.kv.write(layer, s.start, k[row : row + s.n].transpose(0, 1), v[row : row + s.n].transpose(0, 1))
+            kk, vv = s.kv.write(
+                layer,
+                s.start,
+                k[row : row + s.n].transpose(0, 1),
+                v[row : row + s.n].transpose(0, 1),
+            )
             # Fold each kv group's query heads into its query axis: [G, rep*n, Dh]. One
             # batched SDPA over G groups is much faster on CPU than the enable_gqa path.
-            qq = q[row : row + s.n].view(s.n, c.n_kv_heads, rep, c.head_dim).permute(1, 2, 0, 3).reshape(c.n_kv_heads, rep * s.n, c.head_dim)
+            qq = (
+                q[row : row + s.n]
+                .view(s.n, c.n_kv_heads, rep, c.head_dim)
+                .permute(1, 2, 0, 3)
+                .reshape(c.n_kv_heads, rep * s.n, c.head_dim)
+            )
             mask = None
             if s.n > 1:
                 qpos = torch.arange(s.start, s.start + s.n, device=h.device)
-                mask = torch.arange(s.start + s.n, device=h.device)[None, :] <= qpos[:, None]  # [n, S]
+                mask = (
+                    torch.arange(s.start + s.n, device=h.device)[None, :] <= qpos[:, None]
+                )  # [n, S]
                 mask = mask.repeat(rep, 1)  # [rep*n, S]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)  # [G, rep*n, Dh]
-            out[row : row + s.n] = o.view(c.n_kv_heads, rep, s.n, c.head_dim).permute(2, 0, 1, 3).reshape(s.n, c.n_heads, c.head_dim)
+            out[row : row + s.n] = (
+                o.view(c.n_kv_heads, rep, s.n, c.head_dim)
+                .permute(2, 0, 1, 3)
+                .reshape(s.n, c.n_heads, c.head_dim)
+            )
             row += s.n
         return h + F.linear(out.reshape(T, -1), w[p + "attn_output"])
 

