@@ -51,6 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     _add_model_arg(chat)
     _add_sampling_args(chat)
+    bench = sub.add_parser("bench", help="compare scheduling policies side by side")
+    _add_model_arg(bench)
+    bench.add_argument("--policies", default="bevy,sync,prefetch-gate,prefetch-history")
+    bench.add_argument(
+        "--workload", default="chat", help="bundled workloads, comma-separated (chat, agentic)"
+    )
+    bench.add_argument(
+        "--requests", default="8", help="concurrent requests, comma-separated (e.g. 2,4,8,16)"
+    )
+    bench.add_argument(
+        "--cache", default="0.3", help="cache fractions of all experts, comma-separated"
+    )
+    bench.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
+    bench.add_argument("--storage", choices=("ssd", "host"), default="ssd")
+    bench.add_argument("--eviction", choices=("lru", "lfu"), default="lfu")
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--json", type=Path, default=None, help="write records to this JSON file")
+    bench.add_argument("--plot", type=Path, default=None, help="write a PNG (needs matplotlib)")
+    bench.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="Chrome/Perfetto trace of the first configuration, one file per policy",
+    )
     models = sub.add_parser("models", help="manage local models")
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="show local models")
@@ -201,6 +225,48 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from backend import bench
+    from backend.scheduler import make_policy
+
+    try:
+        policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+        for p in policies:
+            make_policy(p)
+        plan = bench.BenchPlan(
+            policies=policies,
+            workloads=tuple(w.strip() for w in args.workload.split(",")),
+            requests=tuple(int(n) for n in args.requests.split(",")),
+            caches=tuple(float(c) for c in args.cache.split(",")),
+            tokens=args.tokens,
+            storage=args.storage,
+            device=args.device,
+            repeats=args.repeats,
+            eviction=args.eviction,
+        )
+    except ValueError as exc:
+        raise BevyError(str(exc)) from None
+    if (
+        any(n < 1 for n in plan.requests)
+        or any(not 0 < c <= 1 for c in plan.caches)
+        or plan.tokens < 2
+        or plan.repeats < 1
+    ):
+        raise BevyError("--requests must be >= 1, --cache in (0, 1], --tokens >= 2, --repeats >= 1")
+    model = _load(args)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        records = bench.run_bench(model, plan, args.trace, log)
+    except ValueError as exc:
+        raise BevyError(str(exc)) from None
+    print(bench.format_tables(records))
+    if args.json:
+        bench.write_json(records, args.json)
+    if args.plot:
+        bench.plot(records, args.plot)
+    return 0
+
+
 def cmd_default(args: argparse.Namespace) -> int:
     """No sub-command: a chat in the terminal (the desktop app is not built yet)."""
     if sys.stdin.isatty():
@@ -213,7 +279,13 @@ def cmd_default(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "chat": cmd_chat, "models": cmd_models, None: cmd_default}
+    handlers = {
+        "generate": cmd_generate,
+        "chat": cmd_chat,
+        "bench": cmd_bench,
+        "models": cmd_models,
+        None: cmd_default,
+    }
     try:
         import torch
 

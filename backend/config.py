@@ -18,6 +18,7 @@ class SamplingParams:
     max_tokens: int = 512
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 10.0):
@@ -40,3 +41,56 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def parse_cache_size(spec: str | float | int, n_experts: int, slot_bytes: int) -> int:
+    """Slots for a cache given as a fraction ("0.3", "30%"), a count ("288"), or "512MiB"/"2GiB"."""
+    s = str(spec).strip()
+    try:
+        if s.endswith("%"):
+            return max(0, round(float(s[:-1]) / 100 * n_experts))
+        for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("GB", 10**9), ("MB", 10**6)):
+            if s.endswith(unit):
+                return int(float(s[: -len(unit)]) * scale) // slot_bytes
+        if "." in s or "e" in s.lower():
+            frac = float(s)
+            if not 0 < frac <= 1:
+                raise ValueError
+            return max(0, round(frac * n_experts))
+        return int(s)
+    except ValueError:
+        raise ValueError(
+            f"cache size {spec!r} is not a fraction (0.3), a percentage (30%), a count (288) or a size (512MiB)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model. Validated here; model-dependent limits in the engine."""
+
+    device: str = "cpu"
+    storage: str = (
+        "ssd"  # "ssd": experts read from the model file with O_DIRECT; "host": all in RAM
+    )
+    cache: str = "0.3"  # fraction, percentage, count or size (see parse_cache_size)
+    eviction: str = "lfu"
+    policy: str = "bevy"
+    max_active: int = 16  # requests running at once; more wait in the admission queue
+    kv_budget_mib: int = 2048
+    working_set_mib: int = 768  # dequantized weights of recently used (still cached) experts
+    metrics_interval_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.storage not in ("ssd", "host"):
+            raise ValueError(f"storage must be 'ssd' or 'host', got {self.storage!r}")
+        if self.eviction not in ("lru", "lfu"):
+            raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
+        if self.max_active < 1:
+            raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+        if self.working_set_mib < 0:
+            raise ValueError(f"working_set_mib must be >= 0, got {self.working_set_mib}")
+        if self.kv_budget_mib < 1:
+            raise ValueError(f"kv_budget_mib must be >= 1, got {self.kv_budget_mib}")
+        from backend.scheduler import make_policy
+
+        make_policy(self.policy)  # raises ValueError naming the known policies

@@ -118,7 +118,7 @@ def generate(
     pos = len(prompt_ids)
     while True:
         nxt = sample(logits, params, gen, prompt_ids + out_ids)
-        if nxt in eos:
+        if nxt in eos and not params.ignore_eos:
             finish = "stop"
             break
         out_ids.append(nxt)
@@ -146,3 +146,30 @@ def generate(
     return Generation(
         "".join(text), out_ids, finish, len(prompt_ids), prefill_s, time.perf_counter() - t1
     )
+
+
+@torch.inference_mode()
+def greedy_reference(
+    model: LoadedModel, prompts: list[list[int]], steps: int, get_expert: GetExpert | None = None
+) -> list[list[int]]:
+    """Plain in-memory greedy decoding of several prompts as one batch, ``steps`` tokens each
+    (EOS ignored): the reference every engine policy must reproduce."""
+    t = model.transformer
+    get_expert = get_expert or model.resident_experts().get
+    kvs = [KVCache(model.config.n_layers) for _ in prompts]
+    seqs = [SeqSlice(kv, 0, len(p)) for kv, p in zip(kvs, prompts, strict=True)]
+    logits = t.forward(
+        torch.tensor([i for p in prompts for i in p], device=t.device), seqs, get_expert
+    )
+    out: list[list[int]] = [[] for _ in prompts]
+    pos = [len(p) for p in prompts]
+    for step in range(steps):
+        nxt = logits.argmax(-1).tolist()
+        for o, n in zip(out, nxt, strict=True):
+            o.append(n)
+        if step == steps - 1:
+            break
+        seqs = [SeqSlice(kv, p, 1) for kv, p in zip(kvs, pos, strict=True)]
+        logits = t.forward(torch.tensor(nxt, device=t.device), seqs, get_expert)
+        pos = [p + 1 for p in pos]
+    return out

@@ -80,3 +80,30 @@ def hf_logits(folder: Path, ids: list[int]) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+def make_tiny_chat(family: str, folder: Path, tokenizer_gguf: Path) -> Path:
+    """A tiny random model that speaks through SmolLM2's real tokenizer and chat template."""
+    import json
+
+    from backend.formats.gguf import read_gguf
+    from backend.formats.tokenizer import Tokenizer
+
+    meta = read_gguf(tokenizer_gguf).metadata
+    tok = Tokenizer.from_gguf_metadata(meta, tokenizer_gguf)
+    saved = dict(TINY)
+    TINY.update(vocab_size=tok.vocab_size, max_position_embeddings=8192)
+    try:
+        make_tiny(family, folder)
+    finally:
+        TINY.clear()
+        TINY.update(saved)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    config = {
+        "chat_template": tok.chat_template,
+        "eos_token": tok.id_to_token(min(tok.eos_ids)),
+        "bos_token": None,
+        "add_bos_token": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

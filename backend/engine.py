@@ -1,0 +1,484 @@
+"""The engine: one long-lived thread running schedule -> run -> postprocess.
+
+A job is "MoE of layer l + attention and router of layer l+1" for one request. The
+issuer *claims* a job's experts all at once (pins resident ones, reserves slots and
+queues fetches for missing ones) or not at all, so jobs never deadlock on each other's
+pins; the policy orders claims and picks which ready jobs compute together. A job that
+needs more experts than the cache has slots (prefill with a tiny cache) streams them
+through in chunks, accumulating its MoE output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from backend.cache import ExpertCache
+from backend.config import EngineConfig, parse_cache_size
+from backend.errors import BevyError
+from backend.fetcher import Fetcher
+from backend.generate import StopMatcher, chat_prompt_ids
+from backend.jobs import JobRunner
+from backend.messages import (
+    Abort,
+    ErrorEvent,
+    Event,
+    Finished,
+    MetricsSnapshot,
+    RequestProgress,
+    Shutdown,
+    Submit,
+    TokenEvent,
+)
+from backend.models.loader import LoadedModel
+from backend.models.transformer import KVCache
+from backend.prefetch import Prefetcher
+from backend.request import Request, RequestStatus
+from backend.sampling import make_generator, sample
+from backend.scheduler import make_policy
+from backend.store import open_store
+from backend.telemetry import Telemetry
+
+
+@dataclass(frozen=True)
+class _FetchDone:
+    key: tuple[int, int]
+    layout: tuple[int, int, int] | None
+    error: str | None
+
+
+def _short_switch_interval() -> None:
+    # The link thread hands the GIL back after every read; with CPython's default 5 ms
+    # switch interval it would wait behind compute's Python code for each expert.
+    if sys.getswitchinterval() > 0.0005:
+        sys.setswitchinterval(0.0005)
+
+
+class Engine:
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, events: queue.Queue | None = None
+    ) -> None:
+        if not model.config.is_moe:
+            raise BevyError(
+                f"{model.path}: a dense model has no routed experts to offload; use `bevy generate`"
+            )
+        self.model, self.config = model, config
+        self.policy = make_policy(config.policy)
+        self.events: queue.Queue[Event] = events if events is not None else queue.Queue()
+        self._wake: queue.Queue = queue.Queue()
+        device = model.transformer.device
+        self.store = open_store(config.storage, model.experts, pin_memory=device.type == "cuda")
+        n_experts = model.config.n_routed_experts
+        n_slots = min(parse_cache_size(config.cache, n_experts, self.store.slot_bytes), n_experts)
+        if n_slots < model.config.top_k:
+            raise ValueError(
+                f"a cache of {n_slots} slots is below the legal minimum of {model.config.top_k} (one token's experts)"
+            )
+        self.cache = ExpertCache(n_slots, config.eviction)
+        if device.type == "cuda":
+            self.slots = torch.empty(
+                (n_slots, self.store.slot_bytes), dtype=torch.uint8, device=device
+            )
+        else:
+            self.slots = self.store.alloc_slots(n_slots)
+        self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self.telemetry = Telemetry()
+        c = model.config
+        decoded_bytes = (
+            3 * c.hidden_size * c.expert_intermediate_size * model.transformer.dtype.itemsize
+        )
+        working_set = (config.working_set_mib << 20) // decoded_bytes
+        self.jobs = JobRunner(
+            model.transformer, model.experts, self.cache, self.slots, self.layouts, working_set
+        )
+        self.prefetcher = (
+            Prefetcher(self.policy.prefetch, model, self.cache, self.telemetry)
+            if self.policy.prefetch
+            else None
+        )
+        self.jobs.on_route = self._on_route
+        self.fetcher = Fetcher(
+            self.store,
+            self.slots,
+            self.telemetry,
+            lambda k, lay, err: self._wake.put(_FetchDone(k, lay, err)),
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids: set[str] = set()
+        self._arrivals = itertools.count()
+        self._tick = 0
+        self._stopped = False
+        self._last_metrics = 0.0
+        self.kv_bytes_per_token = (
+            2 * c.n_layers * c.n_kv_heads * c.head_dim * model.transformer.dtype.itemsize
+        )
+        self._thread: threading.Thread | None = None
+        # Tests set this to a dict to receive every request's logits (exactness checks).
+        self.logits_log: dict[str, list[torch.Tensor]] | None = None
+
+    # --- public API (any thread) --------------------------------------------------------
+
+    def submit(self, msg: Submit | Abort | Shutdown) -> None:
+        self._wake.put(msg)
+
+    def start(self) -> None:
+        """Run the loop on its own thread."""
+        _short_switch_interval()
+        self._thread = threading.Thread(target=self.loop, name="bevy-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self.submit(Shutdown())
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.close()
+
+    def close(self) -> None:
+        self.fetcher.close()
+        self.store.close()
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    @property
+    def has_work(self) -> bool:
+        """Requests in flight, or messages not yet handled."""
+        return not self.idle or not self._wake.empty()
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def loop(self) -> None:
+        try:
+            while not self._stopped:
+                self.step(block=True)
+        except Exception as exc:  # the engine itself failed: tell every client
+            self._emit(ErrorEvent(None, f"engine failed: {exc!r}"))
+            raise
+
+    def step(self, block: bool = False) -> bool:
+        """One iteration: schedule -> run -> postprocess. Returns whether compute ran."""
+        self._drain(block=False)
+        self._admit()
+        group = self._schedule()
+        if group:
+            self._run(group)
+        elif block or self.running:
+            self._drain(block=True, timeout=0.05 if self.running else 0.2)
+        self._maybe_metrics()
+        return bool(group)
+
+    def run_until_idle(self, timeout_s: float = 600.0) -> None:
+        """Drive the loop on the calling thread until every request has finished."""
+        _short_switch_interval()
+        deadline = time.monotonic() + timeout_s
+        self._drain(block=False)
+        while self.has_work:
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine did not finish in time")
+            self.step(block=False)
+
+    # --- messages -----------------------------------------------------------------------
+
+    def _drain(self, block: bool, timeout: float = 0.0) -> None:
+        try:
+            msg = self._wake.get(timeout=timeout) if block else self._wake.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self._wake.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, _FetchDone):
+            if msg.error is not None:
+                self.cache.cancel(msg.key)
+                self._fail_requests_waiting_on(msg.key, msg.error)
+            else:
+                self.layouts[msg.key] = msg.layout
+                self.cache.complete(msg.key)
+                if self.prefetcher:
+                    self.prefetcher.fetched(msg.key)
+        elif isinstance(msg, Submit):
+            self._on_submit(msg)
+        elif isinstance(msg, Abort):
+            self._finish_by_id(msg.request_id, "abort")
+        elif isinstance(msg, Shutdown):
+            for r in list(self.running) + list(self.waiting):
+                self._finish(r, "abort")
+            self._stopped = True
+
+    def _on_submit(self, msg: Submit) -> None:
+        try:
+            if msg.request_id in self._ids:
+                raise BevyError(f"request id {msg.request_id!r} is already in use")
+            if (msg.messages is None) == (msg.prompt_ids is None):
+                raise BevyError("give exactly one of messages or prompt_ids")
+            ids = (
+                list(msg.prompt_ids)
+                if msg.prompt_ids is not None
+                else chat_prompt_ids(self.model, msg.messages, msg.tools)
+            )
+            if not ids:
+                raise BevyError("the prompt is empty")
+            ctx = self.model.config.context_length
+            if len(ids) >= ctx:
+                raise BevyError(f"the prompt has {len(ids)} tokens; the model's context is {ctx}")
+            vocab = self.model.config.vocab_size
+            if any(not 0 <= i < vocab for i in ids):
+                raise BevyError(f"prompt token ids must be in [0, {vocab})")
+            budget = self.config.kv_budget_mib << 20
+            if min(len(ids) + msg.params.max_tokens, ctx) * self.kv_bytes_per_token > budget:
+                raise BevyError(
+                    f"prompt + max_tokens needs more KV cache than the {self.config.kv_budget_mib} MiB budget"
+                )
+        except (BevyError, ValueError) as exc:
+            self._emit(ErrorEvent(msg.request_id, str(exc)))
+            return
+        tok = self.model.tokenizer
+        r = Request(msg.request_id, ids, msg.params, session=msg.session)
+        r.generator = make_generator(msg.params)
+        r.decoder = tok.stream_decoder() if tok is not None else None
+        r.stops = StopMatcher(msg.params.stop)
+        self._ids.add(r.id)
+        self.waiting.append(r)
+
+    # --- admission ----------------------------------------------------------------------
+
+    def _kv_tokens(self, r: Request) -> int:
+        return min(r.budget_tokens, self.model.config.context_length)
+
+    def _admit(self) -> None:
+        if not self.waiting:
+            return
+        # Lockstep policies add requests only between steps, as llama.cpp's batch does.
+        if self.policy.lockstep and any(r.layer != 0 or r.done for r in self.running):
+            return
+        budget = self.config.kv_budget_mib << 20
+        used = sum(self._kv_tokens(r) for r in self.running) * self.kv_bytes_per_token
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_active:
+            r = self.waiting[0]
+            need = self._kv_tokens(r) * self.kv_bytes_per_token
+            if used + need > budget:
+                break
+            used += need
+            self.waiting.popleft()
+            r.status, r.arrival = RequestStatus.RUNNING, next(self._arrivals)
+            r.kv, r.start, r.n = KVCache(self.model.config.n_layers), 0, len(r.prompt_ids)
+            admitted.append(r)
+        if admitted:
+            t0 = time.perf_counter()
+            self.jobs.start(admitted, [r.prompt_ids for r in admitted])
+            self.telemetry.record_compute(
+                t0,
+                time.perf_counter(),
+                -1,
+                tuple(r.id for r in admitted),
+                sum(r.n for r in admitted),
+            )
+            self.running.extend(admitted)
+
+    # --- schedule: claims and the compute group -----------------------------------------
+
+    def _on_route(self, r: Request) -> None:
+        for e in r.needed:
+            self.cache.record_use((r.layer, e))
+        if self.prefetcher:
+            self.prefetcher.observe(r)
+
+    def _missing(self, r: Request) -> int:
+        return sum(1 for k in r.pending_keys(self.cache.n_slots) if not self.cache.is_present(k))
+
+    def _claim(self) -> None:
+        cache = self.cache
+        blocked = [r for r in self.running if not r.claimed]
+        if self.policy.group_size:
+            allowed = self.policy.static_claimable(self.running)
+            blocked = [r for r in blocked if id(r) in allowed]
+        low = min((r.layer for r in self.running), default=0)
+        for r in self.policy.claim_order(blocked, self._missing, low):
+            keys = r.pending_keys(cache.n_slots)
+            present = [k for k in keys if cache.is_present(k)]
+            absent = [k for k in keys if not cache.is_present(k)]
+            # Pin what is there first, so reserving slots for the rest cannot evict it.
+            for k in present:
+                cache.pin(k)
+            if len(absent) > cache.n_reservable:
+                for k in present:
+                    cache.unpin(k)
+                break  # later claims wait too, so this job gets the next free slots
+            for k in keys:
+                cache.record_lookup(k)  # before reserving: a hit iff ready or loading
+            for k in absent:
+                slot = cache.reserve(k)
+                self.fetcher.submit(
+                    (self._tick, r.layer, len(absent)), k, self.model.experts[k[0]][k[1]], slot
+                )
+            r.claim, r.claimed = keys, True
+
+    def _ready(self, r: Request) -> bool:
+        return r.claimed and all(self.cache.is_ready(k) for k in r.claim)
+
+    def _schedule(self) -> list[Request]:
+        self._tick += 1
+        self._claim()
+        if self.prefetcher:
+            self.prefetcher.issue(self.fetcher, self.running)
+        ready = []
+        for r in self.running:
+            if self._ready(r):
+                if not r.ready_since:
+                    r.ready_since = self._tick
+                ready.append(r)
+        return self.policy.compute_group(self.running, ready)
+
+    # --- run and postprocess ------------------------------------------------------------
+
+    def _run(self, group: list[Request]) -> None:
+        t0 = time.perf_counter()
+        layer = group[0].layer
+        claims = [k for r in group for k in r.claim]
+        done, logits = self.jobs.run(group)
+        for k in claims:
+            self.cache.unpin(k)
+        for r in group:
+            r.claim, r.claimed, r.ready_since = [], False, 0
+        continuing: list[Request] = []
+        if logits is not None:
+            if self.logits_log is not None:
+                for r, row in zip(done, logits, strict=True):
+                    self.logits_log.setdefault(r.id, []).append(row.clone())
+            for r, row in zip(done, logits, strict=True):
+                if self._postprocess(r, row):
+                    continuing.append(r)
+            if continuing:
+                for r in continuing:
+                    r.start, r.n = r.start + r.n, 1
+                self.jobs.start(continuing, [[r.out_ids[-1]] for r in continuing])
+        tokens = sum(r.n for r in group)
+        self.telemetry.record_compute(
+            t0, time.perf_counter(), layer, tuple(r.id for r in group), tokens
+        )
+
+    def _postprocess(self, r: Request, logits: torch.Tensor) -> bool:
+        """Sample, stream, check stops. Returns whether the request goes on."""
+        tok = self.model.tokenizer
+        nxt = sample(logits, r.params, r.generator, r.prompt_ids + r.out_ids)
+        if tok is not None and nxt in tok.eos_ids and not r.params.ignore_eos:
+            self._finish(r, "stop")
+            return False
+        r.out_ids.append(nxt)
+        self.telemetry.record_token(r.id)
+        text = r.stops.feed(r.decoder.push(nxt)) if r.decoder is not None else ""
+        r.text.append(text)
+        self._emit(TokenEvent(r.id, nxt, text))
+        if r.stops.stopped:
+            self._finish(r, "stop")
+            return False
+        if (
+            len(r.out_ids) >= r.params.max_tokens
+            or r.start + r.n + 1 >= self.model.config.context_length
+        ):
+            self._finish(r, "length")
+            return False
+        return True
+
+    def _finish_by_id(self, request_id: str, reason: str) -> None:
+        for r in list(self.running) + list(self.waiting):
+            if r.id == request_id:
+                self._finish(r, reason)
+                return
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if r.claimed:
+            for k in r.claim:
+                self.cache.unpin(k)
+            r.claim, r.claimed = [], False
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        if reason != "abort" and r.decoder is not None and not r.stops.stopped:
+            tail = r.stops.feed(r.decoder.flush()) + r.stops.flush()
+            if tail:
+                r.text.append(tail)
+                self._emit(TokenEvent(r.id, -1, tail))
+        r.status, r.finish_reason, r.kv, r.h, r.x, r.acc = (
+            RequestStatus.FINISHED,
+            reason,
+            None,
+            None,
+            None,
+            None,
+        )
+        self._ids.discard(r.id)
+        self._emit(
+            Finished(
+                r.id, reason, "".join(r.text), len(r.prompt_ids), len(r.out_ids), tuple(r.out_ids)
+            )
+        )
+
+    def _fail_requests_waiting_on(self, key: tuple[int, int], error: str) -> None:
+        for r in list(self.running):
+            if key in r.claim:
+                r.claim.remove(key)  # its pin went with the cancelled slot
+                self._emit(ErrorEvent(r.id, error))
+                self._finish(r, "error")
+
+    # --- events and metrics -------------------------------------------------------------
+
+    def _emit(self, event: Event) -> None:
+        self.events.put(event)
+
+    def _maybe_metrics(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_metrics >= self.config.metrics_interval_s:
+            self._last_metrics = now
+            self._emit(self.snapshot(now))
+
+    def runahead_state(self) -> str:
+        if self.policy.lockstep:
+            return "off"
+        need = sum(len(r.needed) for r in self.running)
+        return "on" if need <= self.cache.n_slots else "limited"
+
+    def snapshot(self, now: float | None = None, window_s: float = 2.0) -> MetricsSnapshot:
+        now = now or time.perf_counter()
+        w = self.telemetry.window(now - window_s, now)
+        n_layers = self.model.config.n_layers
+        progress = []
+        for r in self.running:
+            state = "ready" if self._ready(r) else "waiting"
+            progress.append(
+                RequestProgress(r.id, r.session, r.layer, n_layers, state, len(r.out_ids))
+            )
+        progress += [
+            RequestProgress(r.id, r.session, 0, n_layers, "queued", 0) for r in self.waiting
+        ]
+        return MetricsSnapshot(
+            t=now,
+            tokens_per_s=w["tokens_per_s"],
+            hit_rate=self.cache.stats.hit_rate,
+            both_busy_frac=w["both_busy_frac"],
+            compute_wait_frac=w["compute_wait_frac"],
+            compute_busy_frac=w["compute_busy_frac"],
+            link_busy_frac=w["link_busy_frac"],
+            fetched=self.cache.stats.fetches,
+            cache_slots=self.cache.n_slots,
+            cache_used=self.cache.n_used,
+            cache_pinned=self.cache.n_pinned,
+            runahead=self.runahead_state(),
+            requests=tuple(progress),
+        )

@@ -1,0 +1,141 @@
+"""The compute side of a job, batched over a group of requests at the same layer.
+
+Legend: T tokens in the group, D hidden, K top-k, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from backend.cache import ExpertCache
+from backend.models.transformer import SeqSlice, Transformer
+from backend.models.weights import ExpertRef, ExpertWeights
+from backend.request import Request
+from backend.store import dequantize_slot
+
+
+class JobRunner:
+    """Runs jobs on experts held in cache slots in their stored (quantized) form.
+
+    Dequantizing is compute work. Small groups at the same layer often use the same
+    expert moments apart, so the dequantized weights of the last ``working_set`` uses are
+    kept while their slot still holds that expert (checked by slot generation): this
+    saves repeated decoding without holding a single expert the cache does not.
+    """
+
+    def __init__(
+        self,
+        t: Transformer,
+        experts: list[list[ExpertRef]],
+        cache: ExpertCache,
+        slots: torch.Tensor,
+        layouts: dict,
+        working_set: int = 0,
+    ) -> None:
+        self.t = t
+        self.experts = experts
+        self.cache = cache
+        self.slots = slots
+        self.layouts = layouts
+        self.working_set = working_set
+        self._decoded: OrderedDict[tuple[int, int], tuple[int, int, ExpertWeights]] = OrderedDict()
+        self.on_route: Callable[[Request], None] = lambda r: None
+
+    def expert(self, layer: int, e: int) -> ExpertWeights:
+        key = (layer, e)
+        slot = self.cache.slot_of[key]
+        gen = self.cache.generation[slot]
+        hit = self._decoded.get(key)
+        if hit is not None and hit[0] == slot and hit[1] == gen:
+            self._decoded.move_to_end(key)
+            return hit[2]
+        weights = dequantize_slot(
+            self.slots[slot], self.experts[layer][e], self.layouts[key], self.t.dtype
+        )
+        if self.working_set:
+            # Float parts may view the slot; a copy keeps the entry valid on its own.
+            shared = self.slots.untyped_storage().data_ptr()
+            weights = tuple(
+                w.clone() if w.untyped_storage().data_ptr() == shared else w for w in weights
+            )
+            self._decoded[key] = (slot, gen, weights)
+            while len(self._decoded) > self.working_set:
+                self._decoded.popitem(last=False)
+        return weights
+
+    def enter(self, group: Sequence[Request], layer: int, h: torch.Tensor) -> None:
+        """After attention(layer): each request's MoE input and routing for ``layer``."""
+        t = self.t
+        x = t.ffn_input(layer, h)
+        sparse = t.config.sparse_layers[layer]
+        ids = w = None
+        if sparse:
+            ids, w = t.route(layer, x)  # [T, K]
+        row = 0
+        for r in group:
+            r.layer, r.h, r.x = layer, h[row : row + r.n], x[row : row + r.n]
+            r.acc, r.done, r.claim, r.claimed = None, set(), [], False
+            if sparse:
+                r.route_ids, r.route_w = ids[row : row + r.n], w[row : row + r.n]
+                r.needed = tuple(sorted(set(r.route_ids.flatten().tolist())))
+            else:
+                r.route_ids = r.route_w = None
+                r.needed = ()
+            row += r.n
+            self.on_route(r)
+
+    @torch.inference_mode()
+    def start(self, group: Sequence[Request], token_ids: list[list[int]]) -> None:
+        """Embed new tokens (a prompt, or one sampled token) and run attention + router of layer 0."""
+        t = self.t
+        h = t.embed(torch.tensor([i for ids in token_ids for i in ids], device=t.device))
+        seqs = [SeqSlice(r.kv, r.start, r.n) for r in group]
+        self.enter(group, 0, t.attention_block(0, h, seqs))
+
+    @torch.inference_mode()
+    def run(self, group: Sequence[Request]) -> tuple[list[Request], torch.Tensor | None]:
+        """Run the group's claimed experts. Requests whose layer is complete advance to the
+        next layer; after the last layer their logits are returned [len(done), V]."""
+        t, layer = self.t, group[0].layer
+        if t.config.sparse_layers[layer]:
+            x = torch.cat([r.x for r in group])
+            ids = torch.cat([r.route_ids for r in group])
+            w = torch.cat([r.route_w for r in group])
+            # Only experts claimed by a request count for its rows (a streaming job
+            # computes its experts chunk by chunk).
+            owner = torch.cat([torch.full((r.n,), i, device=x.device) for i, r in enumerate(group)])
+            claims = [set(e for _, e in r.claim) for r in group]
+            y = torch.zeros_like(x)
+            for e in sorted(set().union(*claims)):
+                allowed = torch.tensor([e in c for c in claims], device=x.device)[owner]
+                rows, kk = ((ids == e) & allowed[:, None]).nonzero(as_tuple=True)
+                if rows.numel():
+                    y.index_add_(
+                        0, rows, t.expert_mlp(self.expert(layer, e), x[rows]) * w[rows, kk, None]
+                    )
+            row = 0
+            for r, c in zip(group, claims, strict=True):
+                part = y[row : row + r.n]
+                r.acc = part if r.acc is None else r.acc + part
+                r.done |= c
+                row += r.n
+            done = [r for r in group if len(r.done) == len(r.needed)]
+            outs = []
+            for r in done:
+                shared = t.shared_expert(layer, r.x)
+                outs.append(r.h + (r.acc if shared is None else r.acc + shared))
+        else:
+            done = list(group)
+            outs = [r.h + t.dense_mlp(layer, r.x) for r in group]
+        if not done:
+            return [], None
+        h = torch.cat(outs)
+        if layer + 1 < t.config.n_layers:
+            seqs = [SeqSlice(r.kv, r.start, r.n) for r in done]
+            self.enter(done, layer + 1, t.attention_block(layer + 1, h, seqs))
+            return done, None
+        ends = torch.tensor([r.n for r in done], device=h.device).cumsum(0) - 1
+        return done, t.logits(h[ends])

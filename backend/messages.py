@@ -1,0 +1,87 @@
+"""Typed messages crossing the engine thread boundary (commands in, events out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend.config import SamplingParams
+
+# --- commands (to the engine) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Submit:
+    request_id: str
+    params: SamplingParams
+    messages: list[dict] | None = None  # chat messages, rendered with the model's template
+    prompt_ids: list[int] | None = None  # or pre-tokenized input (exactly one of the two)
+    tools: list[dict] | None = None
+    session: str = ""  # label for progress views
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = Submit | Abort | Shutdown
+
+# --- events (from the engine) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_id: int
+    text: str  # newly completed text (may be empty while a character is incomplete)
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    request_id: str
+    session: str
+    layer: int
+    n_layers: int
+    state: str  # "computing", "ready", "waiting" (for experts), "queued"
+    tokens: int
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    t: float
+    tokens_per_s: float
+    hit_rate: float
+    both_busy_frac: float
+    compute_wait_frac: float
+    compute_busy_frac: float
+    link_busy_frac: float
+    fetched: int
+    cache_slots: int
+    cache_used: int
+    cache_pinned: int
+    runahead: str  # "on", "limited" (cache too small for every request's experts), "off"
+    requests: tuple[RequestProgress, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    reason: str  # "stop", "length", "abort"
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    request_id: str | None  # None: the engine itself failed
+    message: str
+
+
+Event = TokenEvent | MetricsSnapshot | Finished | ErrorEvent

@@ -1,0 +1,133 @@
+"""Scheduling policies: which ready jobs compute together, which blocked jobs fetch first.
+
+Pure Python over ``Request`` state, so every policy is tested without torch work.
+
+- ``bevy``: compute all ready jobs at the lowest ready layer (opportunistic layerwise
+  grouping); claim/fetch for the blocked job with the lowest layer first, ties broken by
+  fewest missing experts (SRTF).
+- ``sync``: llama.cpp-like: all running requests advance as one batch, layer by layer;
+  experts are fetched on demand and compute waits for them.
+- ``prefetch-gate`` / ``prefetch-history``: ``sync`` plus prefetching of predicted
+  next-layer experts on the otherwise idle link.
+- Ablations: ``bevy-static:K`` (fixed groups of K requests advance together),
+  ``bevy-fifo`` (compute the longest-ready job's layer first), ``bevy-srtf`` (fetch by
+  fewest missing experts globally, ignoring layers), ``bevy+prefetch-gate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from backend.request import Request
+
+Missing = Callable[[Request], int]  # experts of the request's current job not yet cached
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    lockstep: bool = False  # all requests advance together (sync and its prefetch variants)
+    group_size: int = 0  # bevy-static:K
+    compute_order: str = "layer"  # "layer" (lowest first) or "fifo"
+    fetch_order: str = "layer"  # "layer" (lowest layer, then fewest missing) or "srtf"
+    prefetch: str | None = None  # None, "gate" or "history"
+
+    def claim_order(
+        self, blocked: Sequence[Request], missing: Missing, low_layer: int = 0
+    ) -> list[Request]:
+        """Order in which unclaimed jobs get cache slots and fetches. ``low_layer``: the
+        lowest layer any running request is at."""
+        if self.lockstep:
+            # Only the batch's current layer: nobody runs ahead of the slowest request.
+            return sorted((r for r in blocked if r.layer == low_layer), key=lambda r: r.arrival)
+        if self.fetch_order == "srtf":
+            return sorted(blocked, key=lambda r: (missing(r), r.layer, r.arrival))
+        return sorted(blocked, key=lambda r: (r.layer, missing(r), r.arrival))
+
+    def compute_group(self, running: Sequence[Request], ready: Sequence[Request]) -> list[Request]:
+        """The requests whose jobs run now as one batch (empty: wait for fetches)."""
+        if not ready:
+            return []
+        if self.lockstep:
+            # The batch at its lowest layer moves together once every claimed job is ready.
+            # Jobs the cache could not take this round (unclaimed) follow in a later
+            # round of the same layer: the safe fallback when the cache is too small.
+            low = min(r.layer for r in running)
+            batch = [r for r in running if r.layer == low]
+            ready_ids = {id(r) for r in ready}
+            if any(r.claimed and id(r) not in ready_ids for r in batch):
+                return []
+            return [r for r in batch if id(r) in ready_ids]
+        if self.group_size:
+            return self._static_group(running, ready)
+        if self.compute_order == "fifo":
+            first = min(ready, key=lambda r: (r.ready_since, r.arrival))
+            layer = first.layer
+        else:
+            layer = min(r.layer for r in ready)
+        return [r for r in ready if r.layer == layer]
+
+    def _groups(self, running: Sequence[Request]) -> list[list[Request]]:
+        groups: dict[int, list[Request]] = {}
+        for r in sorted(running, key=lambda r: r.arrival):
+            groups.setdefault(r.arrival // self.group_size, []).append(r)
+        return list(groups.values())
+
+    def _static_group(self, running: Sequence[Request], ready: Sequence[Request]) -> list[Request]:
+        """Each fixed group is a small lockstep batch; the group at the lowest layer goes first."""
+        ready_ids = {id(r) for r in ready}
+        best: list[Request] = []
+        for g in self._groups(running):
+            low = min(r.layer for r in g)
+            batch = [r for r in g if r.layer == low]
+            if any(r.claimed and id(r) not in ready_ids for r in batch):
+                continue
+            members = [r for r in batch if id(r) in ready_ids]
+            if members and (not best or low < best[0].layer):
+                best = members
+        return best
+
+    def static_claimable(self, running: Sequence[Request]) -> set[int]:
+        """bevy-static: only jobs at their group's lowest layer may claim."""
+        return {
+            id(r) for g in self._groups(running) for r in g if r.layer == min(x.layer for x in g)
+        }
+
+
+POLICIES = (
+    "bevy",
+    "sync",
+    "prefetch-gate",
+    "prefetch-history",
+    "bevy-static:K",
+    "bevy-fifo",
+    "bevy-srtf",
+    "bevy+prefetch-gate",
+)
+
+
+def make_policy(name: str) -> Policy:
+    if name == "bevy":
+        return Policy(name)
+    if name == "sync":
+        return Policy(name, lockstep=True)
+    if name in ("prefetch-gate", "prefetch-history"):
+        return Policy(name, lockstep=True, prefetch=name.split("-")[1])
+    if name == "bevy-fifo":
+        return Policy(name, compute_order="fifo")
+    if name == "bevy-srtf":
+        return Policy(name, fetch_order="srtf")
+    if name == "bevy+prefetch-gate":
+        return Policy(name, prefetch="gate")
+    if name.startswith("bevy-static:"):
+        try:
+            k = int(name.split(":", 1)[1])
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise ValueError(
+                f"bevy-static needs a positive group size, e.g. bevy-static:4 (got {name!r})"
+            )
+        return Policy(name, group_size=k)
+    raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")

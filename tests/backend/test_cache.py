@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.cache import ExpertCache
+
+
+def fill(cache: ExpertCache, keys) -> None:
+    for k in keys:
+        cache.record_use(k)
+        assert cache.reserve(k) is not None
+        cache.complete(k)
+        cache.unpin(k)
+
+
+def test_reserve_evicts_lru_first() -> None:
+    c = ExpertCache(2, "lru")
+    fill(c, [(0, 0), (0, 1)])
+    c.record_use((0, 0))  # (0, 1) is now least recently used
+    c.record_use((0, 2))
+    c.reserve((0, 2))
+    assert c.is_present((0, 0)) and not c.is_present((0, 1))
+    assert c.stats.evictions == 1
+
+
+def test_lfu_keeps_the_most_used() -> None:
+    c = ExpertCache(2, "lfu")
+    fill(c, [(0, 0), (0, 1)])
+    for _ in range(3):
+        c.record_use((0, 1))
+    c.record_use((0, 0))
+    c.record_use((0, 2))
+    c.reserve((0, 2))
+    assert c.is_present((0, 1)) and not c.is_present((0, 0))
+
+
+def test_pinned_entries_are_never_evicted() -> None:
+    c = ExpertCache(2, "lru")
+    fill(c, [(0, 0), (0, 1)])
+    c.pin((0, 0))
+    c.pin((0, 1))
+    assert c.n_reservable == 0
+    assert c.reserve((0, 2)) is None
+    c.unpin((0, 1))
+    assert c.reserve((0, 2)) is not None
+    assert c.is_present((0, 0)) and not c.is_present((0, 1))
+
+
+def test_loading_entries_are_not_evictable_and_deduplicate() -> None:
+    c = ExpertCache(2, "lru")
+    assert c.reserve((1, 1)) is not None
+    c.unpin((1, 1))  # a prefetch: no pin while loading
+    assert c.is_present((1, 1)) and not c.is_ready((1, 1))
+    with pytest.raises(RuntimeError):
+        c.reserve((1, 1))  # pending fetches are never duplicated
+    assert c.n_reservable == 1  # only the free slot: the loading one cannot be taken
+    c.complete((1, 1))
+    assert c.is_ready((1, 1)) and c.n_reservable == 2
+
+
+def test_cancel_frees_the_slot() -> None:
+    c = ExpertCache(1, "lfu")
+    c.reserve((0, 0))
+    c.cancel((0, 0))
+    assert not c.is_present((0, 0)) and c.n_reservable == 1 and c.refs == [0]
+
+
+def test_generation_changes_when_a_slot_is_reused() -> None:
+    c = ExpertCache(1, "lru")
+    fill(c, [(0, 0)])
+    gen = c.generation[c.slot_of[(0, 0)]]
+    fill(c, [(0, 1)])
+    assert c.generation[c.slot_of[(0, 1)]] == gen + 1
+
+
+def test_hit_rate_counts_lookups() -> None:
+    c = ExpertCache(4, "lru")
+    assert c.record_lookup((0, 0)) is False
+    c.reserve((0, 0))
+    assert c.record_lookup((0, 0)) is True  # loading counts as a hit: no second fetch
+    assert c.stats.hit_rate == 0.5
+
+
+def test_invalid_configuration() -> None:
+    with pytest.raises(ValueError):
+        ExpertCache(0)
+    with pytest.raises(ValueError):
+        ExpertCache(4, "fifo")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["use", "pin", "unpin"]), st.integers(0, 7)), max_size=200),
+    st.sampled_from(["lru", "lfu"]),
+    st.integers(1, 5),
+)
+def test_random_operations_keep_invariants(ops, policy: str, n_slots: int) -> None:
+    c = ExpertCache(n_slots, policy)
+    pins: dict[tuple[int, int], int] = {}
+    for op, e in ops:
+        k = (0, e)
+        if op == "use":
+            c.record_use(k)
+            if not c.is_present(k) and c.reserve(k) is not None:
+                pins[k] = pins.get(k, 0) + 1
+                c.complete(k)
+        elif op == "pin" and c.is_present(k):
+            c.pin(k)
+            pins[k] = pins.get(k, 0) + 1
+        elif op == "unpin" and pins.get(k):
+            c.unpin(k)
+            pins[k] -= 1
+        # Pinned keys are always still cached; slot count never changes.
+        assert all(c.is_present(key) for key, n in pins.items() if n)
+        assert len(c.slot_of) + len(c.free) == n_slots
+        assert sum(c.refs) == sum(pins.values())

@@ -1,0 +1,210 @@
+"""The engine reproduces plain generation exactly, under every policy, cache size and store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.config import EngineConfig, SamplingParams
+from backend.engine import Engine
+from backend.errors import BevyError
+from backend.formats.gguf_export import write_gguf
+from backend.formats.quants import QType
+from backend.messages import Abort, ErrorEvent, Finished, MetricsSnapshot, Submit
+from backend.models.loader import LoadedModel, load_model
+from backend.scheduler import POLICIES
+from tests.backend.models.test_parity import greedy_logits
+from tests.backend.models.tiny import make_tiny
+
+ALL_POLICIES = [p.replace(":K", ":3") for p in POLICIES]
+PROMPTS = [
+    [3, 17, 42, 5, 88, 9, 1],
+    [4, 4, 60],
+    [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    [7],
+    [50, 51],
+    [9, 8, 7, 6, 5],
+    [33] * 9,
+    [1, 2, 3, 4],
+]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    root = tmp_path_factory.mktemp("engine")
+    mixtral = write_gguf(
+        load_model(make_tiny("mixtral", root / "mixtral")), root / "mixtral.q8.gguf", QType.Q8_0
+    )
+    return {
+        "mixtral-q8-gguf": load_model(mixtral),
+        "qwen3-hf": load_model(make_tiny("qwen3_moe", root / "qwen3")),
+        "qwen2-hf": load_model(make_tiny("qwen2_moe", root / "qwen2")),
+    }
+
+
+@pytest.fixture(scope="module")
+def references(models: dict[str, LoadedModel]) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    out = {}
+    for name, m in models.items():
+        out[name] = []
+        for p in PROMPTS:
+            ids, logits = greedy_logits(m, p, STEPS - 1)
+            out[name].append((ids[len(p) :] + [int(logits[-1].argmax())], logits))
+    return out
+
+
+def drain(eng: Engine) -> list:
+    events = []
+    while not eng.events.empty():
+        events.append(eng.events.get())
+    return events
+
+
+def run_staggered(eng: Engine) -> dict[str, Finished]:
+    """Half the requests join at once, the rest while the first half is mid-flight."""
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    eng.logits_log = {}
+    for i, p in enumerate(PROMPTS[:4]):
+        eng.submit(Submit(f"r{i}", params, prompt_ids=p))
+    for _ in range(5):
+        eng.step()
+    for i, p in enumerate(PROMPTS[4:], start=4):
+        eng.submit(Submit(f"r{i}", params, prompt_ids=p))
+    eng.run_until_idle(120)
+    return {e.request_id: e for e in drain(eng) if isinstance(e, Finished)}
+
+
+@pytest.mark.parametrize("storage", ["ssd", "host"])
+@pytest.mark.parametrize("cache", ["min", "0.3", "1.0"])
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+@pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "qwen3-hf", "qwen2-hf"])
+def test_every_policy_matches_plain_generation(
+    models, references, model_name: str, policy: str, cache: str, storage: str
+) -> None:
+    model = models[model_name]
+    size = str(model.config.top_k) if cache == "min" else cache
+    eng = Engine(model, EngineConfig(policy=policy, cache=size, storage=storage))
+    try:
+        finished = run_staggered(eng)
+        assert sorted(finished) == [f"r{i}" for i in range(len(PROMPTS))]
+        for i, (tokens, logits) in enumerate(references[model_name]):
+            assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
+            ours = torch.stack(eng.logits_log[f"r{i}"])
+            assert (ours - logits).abs().max().item() <= 1e-4
+        assert sum(eng.cache.refs) == 0
+    finally:
+        eng.close()
+
+
+def test_cache_below_legal_minimum_is_rejected(models) -> None:
+    with pytest.raises(ValueError, match="below the legal minimum"):
+        Engine(models["mixtral-q8-gguf"], EngineConfig(cache="1"))
+
+
+def test_unknown_policy_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        EngineConfig(policy="fastest")
+
+
+def test_dense_model_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(BevyError, match="dense model"):
+        Engine(load_model(make_tiny("llama", tmp_path / "llama")), EngineConfig())
+
+
+def test_bad_requests_fail_alone(models) -> None:
+    eng = Engine(models["mixtral-q8-gguf"], EngineConfig(cache="0.5"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        eng.submit(Submit("good", params, prompt_ids=[1, 2, 3]))
+        eng.submit(Submit("long", params, prompt_ids=[1] * 300))  # context is 256
+        eng.submit(Submit("vocab", params, prompt_ids=[1, 10_000]))
+        eng.submit(
+            Submit("both", params, prompt_ids=[1], messages=[{"role": "user", "content": "x"}])
+        )
+        eng.submit(Submit("dup", params, prompt_ids=[1]))
+        eng.submit(Submit("dup", params, prompt_ids=[2]))
+        eng.run_until_idle(60)
+        events = drain(eng)
+        errors = {e.request_id: e.message for e in events if isinstance(e, ErrorEvent)}
+        assert "context is 256" in errors["long"]
+        assert "token ids must be in" in errors["vocab"]
+        assert "exactly one of" in errors["both"]
+        assert "already in use" in errors["dup"]
+        done = {e.request_id for e in events if isinstance(e, Finished)}
+        assert done == {"good", "dup"}
+    finally:
+        eng.close()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    st.sampled_from(["bevy", "sync", "prefetch-gate"]),
+    st.sampled_from(["2", "0.3"]),
+)
+def test_random_aborts_leak_no_pins(
+    models, abort_steps: list[int], policy: str, cache: str
+) -> None:
+    eng = Engine(
+        models["mixtral-q8-gguf"], EngineConfig(policy=policy, cache=cache, storage="host")
+    )
+    try:
+        slots = eng.cache.n_slots
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        n = len(abort_steps) + 4
+        for i in range(n):
+            eng.submit(Submit(f"r{i}", params, prompt_ids=PROMPTS[i % len(PROMPTS)]))
+        for step in range(200):
+            for i, s in enumerate(abort_steps):
+                if s == step:
+                    eng.submit(Abort(f"r{i}"))
+            eng.step()
+            if not eng.has_work:
+                break
+        eng.run_until_idle(60)
+        finished = [e for e in drain(eng) if isinstance(e, Finished)]
+        assert len(finished) == n
+        assert sum(eng.cache.refs) == 0 and eng.cache.n_slots == slots
+        assert len(eng.cache.slot_of) + len(eng.cache.free) == slots
+    finally:
+        eng.close()
+
+
+def test_64_concurrent_requests_complete(models) -> None:
+    eng = Engine(models["qwen3-hf"], EngineConfig(cache="0.3", max_active=64))
+    try:
+        params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=5, seed=1)
+        for i in range(64):
+            eng.submit(Submit(f"r{i}", params, prompt_ids=PROMPTS[i % len(PROMPTS)]))
+        eng.run_until_idle(300)
+        finished = [e for e in drain(eng) if isinstance(e, Finished)]
+        assert len(finished) == 64 and all(e.completion_tokens == 5 for e in finished)
+        assert sum(eng.cache.refs) == 0
+    finally:
+        eng.close()
+
+
+def test_engine_thread_streams_events_and_metrics(models) -> None:
+    eng = Engine(models["mixtral-q8-gguf"], EngineConfig(cache="0.3", metrics_interval_s=0.001))
+    eng.start()
+    try:
+        eng.submit(
+            Submit(
+                "a",
+                SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                prompt_ids=[1, 2, 3],
+            )
+        )
+        got: list = []
+        while not any(isinstance(e, Finished) for e in got):
+            got.append(eng.events.get(timeout=30))
+        snaps = [e for e in got if isinstance(e, MetricsSnapshot)]
+        assert snaps and snaps[-1].cache_slots == eng.cache.n_slots
+        assert any(r.request_id == "a" for s in snaps for r in s.requests)
+    finally:
+        eng.shutdown()
