@@ -23,11 +23,11 @@ from backend.messages import ErrorEvent, Submit, TokenEvent
 from backend.models.loader import LoadedModel
 from backend.workloads import load_workload
 
-SLOT_NOTE = (
-    "A cache slot holds one expert's stored (quantized) bytes, read from the model file; "
-    "dequantization happens on use and is counted as compute time. Link time is the read "
-    "(O_DIRECT for --storage ssd; a RAM copy for host; plus the copy to the device on CUDA)."
-)
+SLOT_NOTES = {
+    "stored": "A cache slot holds one expert's stored (quantized) bytes; dequantization happens on every use and is counted as compute time.",
+    "decoded": "A cache slot holds one expert's weights dequantized to the compute dtype; dequantization happens once per fetch and is counted as link time.",
+}
+LINK_NOTE = "Link time: the read from the store (O_DIRECT from the model file for --storage ssd, a RAM copy for host), the decode if any, and the copy to the device on CUDA."
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class BenchPlan:
     device: str = "cpu"
     repeats: int = 1
     eviction: str = "lfu"
+    slot_format: str = "auto"
 
 
 def prompts_for(model: LoadedModel, workload: str, n: int) -> list[list[int]]:
@@ -70,6 +71,7 @@ def run_once(
         max_active=len(prompts),
         kv_budget_mib=1 << 16,
         metrics_interval_s=3600,
+        slot_format=plan.slot_format,
     )
     eng = Engine(model, cfg)
     params = SamplingParams(temperature=0.0, max_tokens=plan.tokens, ignore_eos=True)
@@ -118,6 +120,7 @@ def run_once(
         / max(window["compute_busy_s"], window["link_busy_s"], 1e-9),
         "prefill_s": t0 - t_start,
         "cache_slots": eng.cache.n_slots,
+        "slot_format": eng.slot_format,
         "tokens": [tokens[f"b{i}"] for i in range(len(prompts))],
     }
     if trace is not None:
@@ -168,6 +171,7 @@ def run_bench(
                 "storage": plan.storage,
                 "device": plan.device,
                 **med,
+                "slot_format": runs[0]["slot_format"],
                 "tokens_identical_to_reference": all(
                     r["tokens_identical_to_reference"] for r in runs
                 ),
@@ -191,7 +195,8 @@ def _add_ratios(records: list[dict]) -> None:
 
 
 def format_tables(records: list[dict]) -> str:
-    out = [SLOT_NOTE, ""]
+    formats = sorted({r.get("slot_format", "stored") for r in records})
+    out = [SLOT_NOTES[f] for f in formats] + [LINK_NOTE, ""]
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault(

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--storage", choices=("ssd", "host"), default="ssd")
     bench.add_argument("--eviction", choices=("lru", "lfu"), default="lfu")
     bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument(
+        "--slot-format",
+        choices=("auto", "stored", "decoded"),
+        default="auto",
+        help="what a cache slot holds",
+    )
     bench.add_argument("--json", type=Path, default=None, help="write records to this JSON file")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG (needs matplotlib)")
     bench.add_argument(
@@ -243,6 +249,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             device=args.device,
             repeats=args.repeats,
             eviction=args.eviction,
+            slot_format=args.slot_format,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None

@@ -77,7 +77,12 @@ class EngineConfig:
     policy: str = "bevy"
     max_active: int = 16  # requests running at once; more wait in the admission queue
     kv_budget_mib: int = 2048
-    working_set_mib: int = 768  # dequantized weights of recently used (still cached) experts
+    working_set_mib: int = 768  # stored slots: dequantized weights of recently used cached experts
+    # What a cache slot holds: "stored" (the expert's quantized bytes, dequantized by compute
+    # on every use) or "decoded" (weights dequantized once by the link as part of the fetch).
+    # "auto": decoded on CPU, where dequantizing per use costs more than the matmul; stored
+    # on accelerators, where dequantizing is cheap next to the copy.
+    slot_format: str = "auto"
     metrics_interval_s: float = 0.1
 
     def __post_init__(self) -> None:
@@ -87,6 +92,10 @@ class EngineConfig:
             raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
         if self.max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+        if self.slot_format not in ("auto", "stored", "decoded"):
+            raise ValueError(
+                f"slot_format must be 'auto', 'stored' or 'decoded', got {self.slot_format!r}"
+            )
         if self.working_set_mib < 0:
             raise ValueError(f"working_set_mib must be >= 0, got {self.working_set_mib}")
         if self.kv_budget_mib < 1:

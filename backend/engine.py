@@ -75,8 +75,16 @@ class Engine:
         self._wake: queue.Queue = queue.Queue()
         device = model.transformer.device
         self.store = open_store(config.storage, model.experts, pin_memory=device.type == "cuda")
-        n_experts = model.config.n_routed_experts
-        n_slots = min(parse_cache_size(config.cache, n_experts, self.store.slot_bytes), n_experts)
+        c = model.config
+        fmt = config.slot_format
+        if fmt == "auto":
+            fmt = "decoded" if device.type == "cpu" else "stored"
+        self.slot_format = fmt
+        decoded_numel = 3 * c.hidden_size * c.expert_intermediate_size
+        dtype = model.transformer.dtype
+        slot_bytes = decoded_numel * dtype.itemsize if fmt == "decoded" else self.store.slot_bytes
+        n_experts = c.n_routed_experts
+        n_slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
         if n_slots < model.config.top_k:
             raise ValueError(
                 f"a cache of {n_slots} slots is below the legal minimum of {model.config.top_k} (one token's experts)"

@@ -22,18 +22,30 @@ Done = Callable[[tuple[int, int], tuple[int, int, int] | None, str | None], None
 
 
 class Fetcher:
-    def __init__(self, store, slots: torch.Tensor, telemetry: Telemetry, on_done: Done) -> None:
+    """``decode``: for slots holding dequantized weights, the dtype to decode into; the
+    decoding is then part of the fetch (link time), done on the slot's device."""
+
+    def __init__(
+        self,
+        store,
+        slots: torch.Tensor,
+        telemetry: Telemetry,
+        on_done: Done,
+        decode: torch.dtype | None = None,
+    ) -> None:
         self.store = store
         self.slots = slots
         self.telemetry = telemetry
         self.on_done = on_done
+        self.decode = decode
         self._heap: list[tuple[tuple, int, tuple[int, int], ExpertRef, int, bool]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
         self._cuda = slots.device.type == "cuda"
+        if self._cuda or decode is not None:
+            self._staging = store.alloc_slots(1, pin_memory=self._cuda)[0]
         if self._cuda:
-            self._staging = store.alloc_slots(1, pin_memory=True)[0]
             self._stream = torch.cuda.Stream(device=slots.device)
         self._thread = threading.Thread(target=self._run, name="bevy-link", daemon=True)
         self._thread.start()
@@ -84,6 +96,8 @@ class Fetcher:
 
     def _fetch(self, ref: ExpertRef, slot: int) -> tuple[int, int, int]:
         layout = self.store.layout(ref)
+        if self.decode is not None:
+            return self._fetch_decoded(ref, slot, layout)
         if not self._cuda:
             self.store.read_into(ref, self.slots[slot])
             return layout
@@ -94,3 +108,33 @@ class Fetcher:
         # compute reads it: wait for this copy (only this thread blocks).
         self._stream.synchronize()
         return layout
+
+    def _fetch_decoded(
+        self, ref: ExpertRef, slot: int, layout: tuple[int, int, int]
+    ) -> tuple[int, int, int]:
+        from backend.store import dequantize_slot
+
+        self.store.read_into(ref, self._staging)
+        row = self.slots[slot]
+        offsets = []
+        start = 0
+        with torch.cuda.stream(self._stream) if self._cuda else _nullcontext():
+            raw = self._staging.to(row.device, non_blocking=True) if self._cuda else self._staging
+            for part, weights in zip(
+                ref.parts, dequantize_slot(raw, ref, layout, self.decode), strict=True
+            ):
+                n = weights.numel()
+                row[start : start + n].view(part.shape).copy_(weights)
+                offsets.append(start)
+                start += n
+        if self._cuda:
+            self._stream.synchronize()
+        return offsets[0], offsets[1], offsets[2]
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

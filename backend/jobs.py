@@ -47,6 +47,12 @@ class JobRunner:
     def expert(self, layer: int, e: int) -> ExpertWeights:
         key = (layer, e)
         slot = self.cache.slot_of[key]
+        if self.slots.is_floating_point():
+            # Decoded slots: the weights are already there, as views.
+            ref, row, at = self.experts[layer][e], self.slots[slot], self.layouts[key]
+            return tuple(
+                row[o : o + p.numel].view(p.shape) for o, p in zip(at, ref.parts, strict=True)
+            )
         gen = self.cache.generation[slot]
         hit = self._decoded.get(key)
         if hit is not None and hit[0] == slot and hit[1] == gen:

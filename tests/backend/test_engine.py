@@ -79,16 +79,18 @@ def run_staggered(eng: Engine) -> dict[str, Finished]:
     return {e.request_id: e for e in drain(eng) if isinstance(e, Finished)}
 
 
+@pytest.mark.parametrize("slot_format", ["stored", "decoded"])
 @pytest.mark.parametrize("storage", ["ssd", "host"])
 @pytest.mark.parametrize("cache", ["min", "0.3", "1.0"])
 @pytest.mark.parametrize("policy", ALL_POLICIES)
 @pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "qwen3-hf", "qwen2-hf"])
 def test_every_policy_matches_plain_generation(
-    models, references, model_name: str, policy: str, cache: str, storage: str
+    models, references, model_name: str, policy: str, cache: str, storage: str, slot_format: str
 ) -> None:
     model = models[model_name]
     size = str(model.config.top_k) if cache == "min" else cache
-    eng = Engine(model, EngineConfig(policy=policy, cache=size, storage=storage))
+    config = EngineConfig(policy=policy, cache=size, storage=storage, slot_format=slot_format)
+    eng = Engine(model, config)
     try:
         finished = run_staggered(eng)
         assert sorted(finished) == [f"r{i}" for i in range(len(PROMPTS))]
