@@ -78,10 +78,11 @@ class EngineConfig:
     max_active: int = 16  # requests running at once; more wait in the admission queue
     kv_budget_mib: int = 2048
     working_set_mib: int = 768  # stored slots: dequantized weights of recently used cached experts
-    # What a cache slot holds: "stored" (the expert's quantized bytes, dequantized by compute
-    # on every use) or "decoded" (weights dequantized once by the link as part of the fetch).
-    # "auto": decoded on CPU, where dequantizing per use costs more than the matmul; stored
-    # on accelerators, where dequantizing is cheap next to the copy.
+    # What a cache slot holds: "stored" (the expert's quantized bytes; compute dequantizes on
+    # use, with a small working set of decoded experts) or "decoded" (weights dequantized
+    # once by the link as part of the fetch; slots are then several times larger).
+    # "auto" is "stored": on the 2-core CPU we measured, decoding on the link thread took
+    # a core from compute and lost more than it saved.
     slot_format: str = "auto"
     metrics_interval_s: float = 0.1
 

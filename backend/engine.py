@@ -78,7 +78,7 @@ class Engine:
         c = model.config
         fmt = config.slot_format
         if fmt == "auto":
-            fmt = "decoded" if device.type == "cpu" else "stored"
+            fmt = "stored"
         self.slot_format = fmt
         decoded_numel = 3 * c.hidden_size * c.expert_intermediate_size
         dtype = model.transformer.dtype
@@ -90,19 +90,21 @@ class Engine:
                 f"a cache of {n_slots} slots is below the legal minimum of {model.config.top_k} (one token's experts)"
             )
         self.cache = ExpertCache(n_slots, config.eviction)
-        if device.type == "cuda":
+        if fmt == "decoded":
+            self.slots = torch.empty((n_slots, decoded_numel), dtype=dtype, device=device)
+        elif device.type == "cuda":
             self.slots = torch.empty(
                 (n_slots, self.store.slot_bytes), dtype=torch.uint8, device=device
             )
         else:
             self.slots = self.store.alloc_slots(n_slots)
+        self.slot_bytes = slot_bytes
         self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
         self.telemetry = Telemetry()
-        c = model.config
-        decoded_bytes = (
-            3 * c.hidden_size * c.expert_intermediate_size * model.transformer.dtype.itemsize
-        )
-        working_set = (config.working_set_mib << 20) // decoded_bytes
+        # Stored slots keep a bounded set of recently decoded experts (see JobRunner).
+        working_set = 0
+        if fmt == "stored":
+            working_set = (config.working_set_mib << 20) // (decoded_numel * dtype.itemsize)
         self.jobs = JobRunner(
             model.transformer, model.experts, self.cache, self.slots, self.layouts, working_set
         )
@@ -117,6 +119,7 @@ class Engine:
             self.slots,
             self.telemetry,
             lambda k, lay, err: self._wake.put(_FetchDone(k, lay, err)),
+            decode=dtype if fmt == "decoded" else None,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -74,6 +74,9 @@ class Fetcher:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        # Decoding on the link runs beside compute: one intra-op thread here leaves the
+        # other cores to compute instead of oversubscribing them (the setting is per thread).
+        torch.set_num_threads(1)
         while True:
             with self._cv:
                 while not self._heap and not self._closed:
