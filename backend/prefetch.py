@@ -34,7 +34,7 @@ class Prefetcher:
         c = model.config
         self.counts = torch.zeros(c.n_layers, max(c.n_experts, 1), max(c.n_experts, 1))
         self._prev: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self._issued: set[tuple[str, int]] = set()
+        self._issued: set[tuple[str, int, int]] = set()
         self.unused: set[tuple[int, int]] = set()  # prefetched, not yet used
         self.prefetched = 0
 
@@ -71,7 +71,7 @@ class Prefetcher:
     def issue(self, fetcher, running: Sequence[Request]) -> None:
         """Queue prefetches for requests whose current layer is routed and not yet predicted."""
         for r in running:
-            tag = (r.id, r.layer)
+            tag = (r.id, r.start, r.layer)  # once per token position and layer
             if tag in self._issued or r.x is None:
                 continue
             self._issued.add(tag)
