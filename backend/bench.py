@@ -77,26 +77,30 @@ def run_once(
     params = SamplingParams(temperature=0.0, max_tokens=plan.tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.submit(Submit(f"b{i}", params, prompt_ids=p))
-    tokens: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
-    mark = None
-    t_start = time.perf_counter()
-    while eng.has_work:
-        eng.step()
-        while not eng.events.empty():
-            ev = eng.events.get()
-            if isinstance(ev, TokenEvent) and ev.token_id >= 0:
-                tokens[ev.request_id].append(ev.token_id)
-            elif isinstance(ev, ErrorEvent):
-                raise BevyError(f"bench request {ev.request_id} failed: {ev.message}")
-        if mark is None and all(tokens.values()):
-            s = eng.cache.stats
-            mark = (
-                time.perf_counter(),
-                s.hits,
-                s.misses,
-                eng.telemetry.fetched,
-                sum(len(t) for t in tokens.values()),
-            )
+    try:
+        tokens: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
+        mark = None
+        t_start = time.perf_counter()
+        while eng.has_work:
+            eng.step()
+            while not eng.events.empty():
+                ev = eng.events.get()
+                if isinstance(ev, TokenEvent) and ev.token_id >= 0:
+                    tokens[ev.request_id].append(ev.token_id)
+                elif isinstance(ev, ErrorEvent):
+                    raise BevyError(f"bench request {ev.request_id} failed: {ev.message}")
+            if mark is None and all(tokens.values()):
+                s = eng.cache.stats
+                mark = (
+                    time.perf_counter(),
+                    s.hits,
+                    s.misses,
+                    eng.telemetry.fetched,
+                    sum(len(t) for t in tokens.values()),
+                )
+    except BaseException:
+        eng.close()
+        raise
     t_end = time.perf_counter()
     assert mark is not None
     t0, hits0, misses0, fetched0, tok0 = mark

@@ -156,12 +156,21 @@ class ExpertCache:
             self._lru.move_to_end(key)
             if self.policy == "lfu":
                 heapq.heappush(self._heap, (self._uses.get(key, 0), self._last.get(key, 0), key))
+                if len(self._heap) > 2 * len(self._lru) + 64:
+                    self._rebuild_heap()
 
     def _make_evictable(self, key: Key) -> None:
         self._lru[key] = None
         self._lru.move_to_end(key)
         if self.policy == "lfu":
             heapq.heappush(self._heap, (self._uses.get(key, 0), self._last.get(key, 0), key))
+            if len(self._heap) > 2 * len(self._lru) + 64:
+                self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """Drop stale entries (uses recorded since, keys pinned again) so the heap stays small."""
+        self._heap = [(self._uses.get(k, 0), self._last.get(k, 0), k) for k in self._lru]
+        heapq.heapify(self._heap)
 
     def _victim(self) -> Key | None:
         if not self._lru:
@@ -176,6 +185,5 @@ class ExpertCache:
                 del self._lru[key]
                 return key
         # Heap entries went stale faster than they were pushed: rebuild from the evictable set.
-        self._heap = [(self._uses.get(k, 0), self._last.get(k, 0), k) for k in self._lru]
-        heapq.heapify(self._heap)
+        self._rebuild_heap()
         return self._victim()

@@ -74,6 +74,7 @@ class Engine:
         self.events: queue.Queue[Event] = events if events is not None else queue.Queue()
         self._wake: queue.Queue = queue.Queue()
         device = model.transformer.device
+        self._compute_threads = torch.get_num_threads()
         self.store = open_store(config.storage, model.experts, pin_memory=device.type == "cuda")
         c = model.config
         fmt = config.slot_format
@@ -86,6 +87,7 @@ class Engine:
         n_experts = c.n_routed_experts
         n_slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
         if n_slots < model.config.top_k:
+            self.store.close()
             raise ValueError(
                 f"a cache of {n_slots} slots is below the legal minimum of {model.config.top_k} (one token's experts)"
             )
@@ -168,6 +170,9 @@ class Engine:
     # --- the loop -----------------------------------------------------------------------
 
     def loop(self) -> None:
+        # The link thread sets one intra-op thread for itself, which also becomes the
+        # default for threads started later: restore the compute thread's own count.
+        torch.set_num_threads(self._compute_threads)
         try:
             while not self._stopped:
                 self.step(block=True)
@@ -247,14 +252,14 @@ class Engine:
             if len(ids) >= ctx:
                 raise BevyError(f"the prompt has {len(ids)} tokens; the model's context is {ctx}")
             vocab = self.model.config.vocab_size
-            if any(not 0 <= i < vocab for i in ids):
+            if any(type(i) is not int or not 0 <= i < vocab for i in ids):
                 raise BevyError(f"prompt token ids must be in [0, {vocab})")
             budget = self.config.kv_budget_mib << 20
             if min(len(ids) + msg.params.max_tokens, ctx) * self.kv_bytes_per_token > budget:
                 raise BevyError(
                     f"prompt + max_tokens needs more KV cache than the {self.config.kv_budget_mib} MiB budget"
                 )
-        except (BevyError, ValueError) as exc:
+        except Exception as exc:  # any bad request fails alone, never the engine
             self._emit(ErrorEvent(msg.request_id, str(exc)))
             return
         tok = self.model.tokenizer
@@ -335,7 +340,10 @@ class Engine:
             for k in absent:
                 slot = cache.reserve(k)
                 self.fetcher.submit(
-                    (self._tick, r.layer, len(absent)), k, self.model.experts[k[0]][k[1]], slot
+                    self.policy.fetch_priority(r, len(absent), self._tick),
+                    k,
+                    self.model.experts[k[0]][k[1]],
+                    slot,
                 )
             r.claim, r.claimed = keys, True
 

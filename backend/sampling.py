@@ -24,7 +24,8 @@ def sample(
     history: Sequence[int] = (),
 ) -> int:
     """``logits`` [V] (float32, any device) -> token id. ``history``: ids seen so far."""
-    logits = logits.float().cpu()
+    # A copy: logits may be an inference-mode tensor, which must not be edited in place.
+    logits = logits.detach().float().cpu().clone()
     if params.repetition_penalty != 1.0 and history:
         seen = torch.tensor(sorted(set(history)), dtype=torch.long)
         vals = logits[seen]

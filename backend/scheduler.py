@@ -45,6 +45,14 @@ class Policy:
             return sorted(blocked, key=lambda r: (missing(r), r.layer, r.arrival))
         return sorted(blocked, key=lambda r: (r.layer, missing(r), r.arrival))
 
+    def fetch_priority(self, r: Request, missing: int, tick: int) -> tuple:
+        """Key of a demand fetch in the link's queue (smallest first)."""
+        if self.lockstep:
+            return (tick, r.arrival)
+        if self.fetch_order == "srtf":
+            return (missing, r.layer, tick)
+        return (r.layer, missing, tick)
+
     def compute_group(self, running: Sequence[Request], ready: Sequence[Request]) -> list[Request]:
         """The requests whose jobs run now as one batch (empty: wait for fetches)."""
         if not ready:

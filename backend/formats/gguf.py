@@ -133,7 +133,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
             name = cur.string()
             dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
             infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
-        align = int(metadata.get("general.alignment", 32))
+        align = metadata.get("general.alignment", 32)
+        if type(align) is not int or align <= 0:
+            raise ValueError(f"general.alignment must be a positive integer, got {align!r}")
         data_start = -(-cur.pos // align) * align
     except (EOFError, ValueError, struct.error) as exc:
         raise ModelLoadError(path, f"truncated or corrupt GGUF header ({exc})") from None

@@ -47,6 +47,8 @@ def _read_header(file: Path) -> dict[str, TensorRef]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(info, dict) or "data_offsets" not in info or "shape" not in info:
+            raise ModelLoadError(file, f"corrupt safetensors header entry for {name}")
         dtype = _DTYPES.get(info.get("dtype"))
         if dtype is None:
             raise ModelLoadError(
@@ -58,7 +60,10 @@ def _read_header(file: Path) -> dict[str, TensorRef]:
             raise ModelLoadError(
                 file, f"truncated safetensors file: tensor {name} ends past the end of the file"
             )
-        refs[name] = TensorRef(file, base + start, end - start, dtype, tuple(info["shape"]))
+        try:
+            refs[name] = TensorRef(file, base + start, end - start, dtype, tuple(info["shape"]))
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(file, f"tensor {name}: {exc}") from None
     return refs
 
 

@@ -58,9 +58,21 @@ def _gguf_layout(
     if fam is None:
         known = ", ".join(registry.GGUF_ARCHITECTURES)
         raise ModelLoadError(g.path, f"unknown architecture {g.arch!r} (supported: {known})")
-    config = with_sparse_layers(
-        fam.config_from_gguf(g), lambda i: f"blk.{i}.ffn_gate_inp.weight" in g.tensors
-    )
+    scaling = g.get("rope.scaling.type")
+    if (scaling not in (None, "none")) or "rope_freqs.weight" in g.tensors:
+        raise ModelLoadError(g.path, f"unsupported RoPE scaling ({scaling or 'rope_freqs tensor'})")
+    try:
+        config = fam.config_from_gguf(g)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(g.path, f"invalid or missing {g.arch} metadata ({exc})") from None
+    config = with_sparse_layers(config, lambda i: f"blk.{i}.ffn_gate_inp.weight" in g.tensors)
+    for i in range(config.n_layers):
+        fused = g.tensors.get(f"blk.{i}.ffn_gate_exps.weight")
+        if fused is not None and fused.shape[0] != config.n_experts:
+            raise ModelLoadError(
+                g.path,
+                f"blk.{i}.ffn_gate_exps holds {fused.shape[0]} experts, metadata says {config.n_experts}",
+            )
 
     def name(canonical: str) -> str:
         return canonical if canonical.endswith(".bias") else canonical + ".weight"
@@ -98,6 +110,8 @@ def _hf_layout(
         config = fam.config_from_hf(h.config)
     except KeyError as exc:
         raise ModelLoadError(h.path / "config.json", f"missing key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(h.path / "config.json", str(exc)) from None
     moe = fam.hf_moe_prefix
     config = with_sparse_layers(
         config, lambda i: f"model.layers.{i}.{moe}.gate.weight" in h.tensors

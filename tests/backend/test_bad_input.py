@@ -151,3 +151,18 @@ def test_invalid_sampling_value_is_a_clean_error(tiny_gguf: Path) -> None:
         and "top_p must be in (0, 1]" in done.stderr
         and "Traceback" not in done.stderr
     )
+
+
+def test_bad_metadata_names_the_file(tiny_gguf: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "noheads.gguf"
+    w = gguf.GGUFWriter(bad, "qwen3moe")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_clean_error(
+        run_cli("generate", "--model", str(bad), "hi"), bad, "invalid or missing qwen3moe metadata"
+    )

@@ -210,3 +210,46 @@ def test_engine_thread_streams_events_and_metrics(models) -> None:
         assert any(r.request_id == "a" for s in snaps for r in s.requests)
     finally:
         eng.shutdown()
+
+
+def test_sampling_penalties_and_odd_prompts_do_not_kill_the_engine(models) -> None:
+    eng = Engine(models["mixtral-q8-gguf"], EngineConfig(cache="0.5"))
+    try:
+        rp = SamplingParams(
+            temperature=0.7, repetition_penalty=1.3, top_k=5, min_p=0.05, max_tokens=4, seed=3
+        )
+        eng.submit(Submit("penalty", rp, prompt_ids=[1, 2, 3, 2, 1]))
+        eng.submit(Submit("strings", rp, prompt_ids=["5"]))  # type: ignore[list-item]
+        eng.submit(Submit("floats", rp, prompt_ids=[1.0, 2.0]))  # type: ignore[list-item]
+        eng.run_until_idle(60)
+        events = drain(eng)
+        errors = {e.request_id for e in events if isinstance(e, ErrorEvent)}
+        assert errors == {"strings", "floats"}
+        done = [e for e in events if isinstance(e, Finished)]
+        assert [e.request_id for e in done] == ["penalty"] and done[0].completion_tokens == 4
+    finally:
+        eng.close()
+
+
+def test_engine_thread_keeps_its_compute_threads(models) -> None:
+    import threading
+
+    seen = []
+    eng = Engine(models["mixtral-q8-gguf"], EngineConfig(cache="0.5"))
+    want = torch.get_num_threads()
+    original = eng.step
+
+    def step(block: bool = False) -> bool:
+        if threading.current_thread().name == "bevy-engine" and not seen:
+            seen.append(torch.get_num_threads())
+        return original(block)
+
+    eng.step = step  # type: ignore[method-assign]
+    eng.start()
+    try:
+        eng.submit(Submit("a", SamplingParams(temperature=0, max_tokens=2), prompt_ids=[1, 2]))
+        while not isinstance(eng.events.get(timeout=30), Finished):
+            pass
+        assert seen == [want]
+    finally:
+        eng.shutdown()

@@ -73,3 +73,12 @@ def test_policy_names() -> None:
     for bad in ("fastest", "bevy-static:0", "bevy-static:x"):
         with pytest.raises(ValueError, match="policy|group size"):
             make_policy(bad)
+
+
+def test_fetch_priority_follows_the_policy() -> None:
+    a, b = req(0, 9), req(1, 2)
+    bevy, srtf, sync = make_policy("bevy"), make_policy("bevy-srtf"), make_policy("sync")
+    # A low-layer job claimed later still fetches before a high-layer one queued earlier.
+    assert bevy.fetch_priority(b, 5, tick=10) < bevy.fetch_priority(a, 1, tick=3)
+    assert srtf.fetch_priority(a, 1, tick=10) < srtf.fetch_priority(b, 5, tick=3)
+    assert sync.fetch_priority(a, 1, tick=3) < sync.fetch_priority(b, 1, tick=10)
