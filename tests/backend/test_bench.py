@@ -45,7 +45,7 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
     sync = [r for r in records if r["policy"] == "sync"]
     assert all(r["ratio_to_sync"] == 1.0 for r in sync)
     table = format_tables(records)
-    assert "agentic, 3 requests, cache 30%" in table and "dequantized to the compute dtype" in table
+    assert "agentic, 3 requests, cache 30%" in table and "stored (quantized) bytes" in table
     trace = json.loads((tmp_path / "t.bevy.json").read_text())
     lanes = {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert lanes == {1, 2}
