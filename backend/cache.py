@@ -75,6 +75,10 @@ class ExpertCache:
         """Slots a new fetch could take now (free or evictable)."""
         return len(self.free) + len(self._lru)
 
+    def n_evictable(self, keys: list[Key]) -> int:
+        """How many of ``keys`` are cached, unpinned and ready (so would be pinned by a claim)."""
+        return sum(1 for k in keys if k in self._lru)
+
     def resident(self) -> list[Key]:
         return [k for k, s in self.slot_of.items() if self.ready[s]]
 

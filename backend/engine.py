@@ -292,7 +292,8 @@ class Engine:
             used += need
             self.waiting.popleft()
             r.status, r.arrival = RequestStatus.RUNNING, next(self._arrivals)
-            r.kv, r.start, r.n = KVCache(self.model.config.n_layers), 0, len(r.prompt_ids)
+            r.kv = KVCache(self.model.config.n_layers, max_len=self._kv_tokens(r))
+            r.start, r.n = 0, len(r.prompt_ids)
             admitted.append(r)
         if admitted:
             t0 = time.perf_counter()
@@ -328,13 +329,12 @@ class Engine:
             keys = r.pending_keys(cache.n_slots)
             present = [k for k in keys if cache.is_present(k)]
             absent = [k for k in keys if not cache.is_present(k)]
+            # Slots for the missing experts must come from outside the ones this job keeps.
+            if len(absent) > cache.n_reservable - cache.n_evictable(present):
+                break  # later claims wait too, so this job gets the next free slots
             # Pin what is there first, so reserving slots for the rest cannot evict it.
             for k in present:
                 cache.pin(k)
-            if len(absent) > cache.n_reservable:
-                for k in present:
-                    cache.unpin(k)
-                break  # later claims wait too, so this job gets the next free slots
             for k in keys:
                 cache.record_lookup(k)  # before reserving: a hit iff ready or loading
             for k in absent:
@@ -370,6 +370,10 @@ class Engine:
         layer = group[0].layer
         claims = [k for r in group for k in r.claim]
         done, logits = self.jobs.run(group)
+        if self.slots.device.type == "cuda":
+            # Kernels reading these slots may still be queued: finish them before the
+            # link may overwrite an unpinned slot on its own stream.
+            torch.cuda.current_stream(self.slots.device).synchronize()
         for k in claims:
             self.cache.unpin(k)
         for r in group:

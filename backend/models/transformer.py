@@ -27,6 +27,7 @@ class KVCache:
     """One sequence's keys and values, per layer, grown geometrically."""
 
     n_layers: int
+    max_len: int | None = None  # positions this sequence may ever hold (a hard cap on growth)
     k: list[torch.Tensor | None] = field(default_factory=list)
     v: list[torch.Tensor | None] = field(default_factory=list)
 
@@ -42,6 +43,8 @@ class KVCache:
         buf_k, buf_v = self.k[layer], self.v[layer]
         if buf_k is None or buf_k.shape[1] < end:
             cap = max(end, 2 * (0 if buf_k is None else buf_k.shape[1]), 64)
+            if self.max_len is not None:
+                cap = max(end, min(cap, self.max_len))
             new_k = k.new_empty(k.shape[0], cap, k.shape[2])
             new_v = v.new_empty(v.shape[0], cap, v.shape[2])
             if buf_k is not None:

@@ -47,6 +47,17 @@ def assert_clean_error(done: subprocess.CompletedProcess, path: Path, problem: s
     assert str(path) in lines[0] and problem in lines[0], lines[0]
 
 
+def write_small_gguf(path: Path, arch: str, setup) -> Path:
+    """A GGUF with whatever keys and tensors ``setup(writer)`` adds."""
+    w = gguf.GGUFWriter(path, arch)
+    setup(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def test_missing_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.gguf"
     assert_clean_error(run_cli("generate", "--model", str(missing), "hi"), missing, "no such file")
@@ -61,32 +72,23 @@ def test_truncated_gguf(tiny_gguf: Path, tmp_path: Path) -> None:
 
 
 def test_unknown_architecture(tmp_path: Path) -> None:
-    bad = tmp_path / "mamba.gguf"
-    w = gguf.GGUFWriter(bad, "mamba")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def setup(w: gguf.GGUFWriter) -> None:
+        w.add_block_count(1)
+        w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+
+    bad = write_small_gguf(tmp_path / "mamba.gguf", "mamba", setup)
     assert_clean_error(
         run_cli("generate", "--model", str(bad), "hi"), bad, "unknown architecture 'mamba'"
     )
 
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:
-    bad = tmp_path / "q5.gguf"
-    w = gguf.GGUFWriter(bad, "llama")
-    # Q5_0: 32 values in 22 bytes; a real type, just not one we decode.
-    w.add_tensor(
-        "token_embd.weight",
-        np.zeros((4, 22), dtype=np.uint8),
-        raw_dtype=gguf.GGMLQuantizationType.Q5_0,
-    )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def setup(w: gguf.GGUFWriter) -> None:
+        # Q5_0: 32 values in 22 bytes; a real type, just not one we decode.
+        q5 = gguf.GGMLQuantizationType.Q5_0
+        w.add_tensor("token_embd.weight", np.zeros((4, 22), dtype=np.uint8), raw_dtype=q5)
+
+    bad = write_small_gguf(tmp_path / "q5.gguf", "llama", setup)
     assert_clean_error(
         run_cli("generate", "--model", str(bad), "hi"), bad, "unsupported quant type Q5_0"
     )
@@ -154,15 +156,12 @@ def test_invalid_sampling_value_is_a_clean_error(tiny_gguf: Path) -> None:
 
 
 def test_bad_metadata_names_the_file(tiny_gguf: Path, tmp_path: Path) -> None:
-    bad = tmp_path / "noheads.gguf"
-    w = gguf.GGUFWriter(bad, "qwen3moe")
-    w.add_block_count(1)
-    w.add_embedding_length(32)
-    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def setup(w: gguf.GGUFWriter) -> None:
+        w.add_block_count(1)
+        w.add_embedding_length(32)
+        w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+
+    bad = write_small_gguf(tmp_path / "noheads.gguf", "qwen3moe", setup)
     assert_clean_error(
         run_cli("generate", "--model", str(bad), "hi"), bad, "invalid or missing qwen3moe metadata"
     )

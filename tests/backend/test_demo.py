@@ -12,9 +12,8 @@ import torch
 from backend import demo
 from backend.cachesim import lfu_hit_rate
 from backend.formats.gguf import read_gguf
-from backend.generate import chat_prompt_ids
-from backend.models.loader import LoadedModel, load_model
-from backend.models.transformer import KVCache, SeqSlice
+from backend.generate import chat_prompt_ids, greedy_reference
+from backend.models.loader import load_model
 from backend.workloads import load_workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,26 +23,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def demo_gguf() -> Path:
     return demo.ensure_demo(quiet=True)
-
-
-def greedy_batch(model: LoadedModel, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    """Greedy decode of several prompts together (one batch per step)."""
-    t, get = model.transformer, model.resident_experts().get
-    kvs = [KVCache(model.config.n_layers) for _ in prompts]
-    seqs = [SeqSlice(kv, 0, len(p)) for kv, p in zip(kvs, prompts, strict=True)]
-    logits = t.forward(torch.tensor([i for p in prompts for i in p]), seqs, get)
-    out: list[list[int]] = [[] for _ in prompts]
-    pos = [len(p) for p in prompts]
-    for step in range(steps):
-        nxt = logits.argmax(-1).tolist()
-        for o, n in zip(out, nxt, strict=True):
-            o.append(n)
-        if step == steps - 1:
-            break
-        seqs = [SeqSlice(kv, p, 1) for kv, p in zip(kvs, pos, strict=True)]
-        logits = t.forward(torch.tensor(nxt), seqs, get)
-        pos = [p + 1 for p in pos]
-    return out
 
 
 def test_demo_is_a_llama_cpp_style_moe(demo_gguf: Path, smollm2_gguf: Path) -> None:
@@ -74,7 +53,7 @@ def test_demo_matches_dense_greedy(demo_gguf: Path, smollm2_gguf: Path) -> None:
     chats = [r["messages"] for r in load_workload("chat")[:5]]
     prompts = [chat_prompt_ids(dense, m) for m in chats]
     assert prompts == [chat_prompt_ids(moe, m) for m in chats]
-    assert greedy_batch(moe, prompts, 32) == greedy_batch(dense, prompts, 32)
+    assert greedy_reference(moe, prompts, 32) == greedy_reference(dense, prompts, 32)
 
 
 def test_router_skew_matches_the_paper(demo_gguf: Path, smollm2_gguf: Path) -> None:
