@@ -24,6 +24,9 @@ class CacheStats:
     misses: int = 0  # claimed experts that had to be fetched
     fetches: int = 0
     evictions: int = 0
+    prefetched: int = 0  # slots filled on a guess
+    prefetch_used: int = 0  # ... later claimed by a job
+    prefetch_wasted: int = 0  # ... evicted or cancelled before any job claimed them
 
     @property
     def hit_rate(self) -> float:
@@ -51,6 +54,7 @@ class ExpertCache:
         self._last: dict[Key, int] = {}
         self._lru: OrderedDict[Key, None] = OrderedDict()  # evictable keys, oldest first
         self._heap: list[tuple[int, int, Key]] = []  # LFU: (uses, last use, key), lazily pruned
+        self.guessed: set[Key] = set()  # prefetched entries no job has claimed yet
 
     # --- queries ------------------------------------------------------------------------
 
@@ -95,6 +99,9 @@ class ExpertCache:
     def record_lookup(self, key: Key) -> bool:
         """A job claims ``key``: a hit if ready or already loading, else a miss."""
         hit = key in self.slot_of
+        if key in self.guessed:
+            self.guessed.discard(key)
+            self.stats.prefetch_used += 1
         if hit:
             self.stats.hits += 1
         else:
@@ -130,6 +137,9 @@ class ExpertCache:
                 return None
             slot = self.slot_of.pop(victim)
             self.stats.evictions += 1
+            if victim in self.guessed:
+                self.guessed.discard(victim)
+                self.stats.prefetch_wasted += 1
         self.slot_of[key] = slot
         self.key_of[slot] = key
         self.generation[slot] += 1
@@ -137,6 +147,11 @@ class ExpertCache:
         self.refs[slot] = 1
         self.stats.fetches += 1
         return slot
+
+    def mark_prefetched(self, key: Key) -> None:
+        """``key`` was just reserved on a guess: track whether a job ever claims it."""
+        self.guessed.add(key)
+        self.stats.prefetched += 1
 
     def complete(self, key: Key) -> None:
         slot = self.slot_of[key]
@@ -148,6 +163,9 @@ class ExpertCache:
         """A fetch that will not complete (abort before start, I/O error): free its slot."""
         slot = self.slot_of.pop(key)
         self._lru.pop(key, None)
+        if key in self.guessed:
+            self.guessed.discard(key)
+            self.stats.prefetch_wasted += 1
         self.key_of[slot] = None
         self.ready[slot] = False
         self.refs[slot] = 0

@@ -3,8 +3,8 @@
 - ``gate`` (Pre-gated / SpecMD style): apply layer l+1's router to layer l's MoE input.
 - ``history`` (FineMoE style): experts that most often followed this request's current
   experts in layer l+1, from co-activation counts recorded during the run.
-Prefetched entries are not pinned: a wrong guess is simply evicted later. Each prefetch
-is counted, and so is each one never used before it left the cache or the run ended.
+Prefetched entries are not pinned: a wrong guess is simply evicted later. The cache counts
+each prefetch, and each one no job claimed before it was evicted or the run ended.
 """
 
 from __future__ import annotations
@@ -35,13 +35,9 @@ class Prefetcher:
         self.counts = torch.zeros(c.n_layers, max(c.n_experts, 1), max(c.n_experts, 1))
         self._prev: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._issued: set[tuple[str, int, int]] = set()
-        self.unused: set[tuple[int, int]] = set()  # prefetched, not yet used
-        self.prefetched = 0
 
     def observe(self, r: Request) -> None:
         """A request's routing for its current layer is known."""
-        for e in r.needed:
-            self.unused.discard((r.layer, e))
         prev = self._prev.get(r.id)
         if prev is not None and prev[0] + 1 == r.layer and prev[1] and r.needed:
             src = torch.tensor(prev[1], dtype=torch.long)
@@ -83,8 +79,7 @@ class Prefetcher:
                 if slot is None:
                     return  # no unpinned slot: guessing would evict what jobs need
                 self.cache.unpin(key)  # a guess holds no pin
-                self.unused.add(key)
-                self.prefetched += 1
+                self.cache.mark_prefetched(key)
                 fetcher.submit(
                     (PREFETCH_PRIORITY, r.layer),
                     key,
@@ -96,4 +91,6 @@ class Prefetcher:
             self._issued.clear()
 
     def unused_fraction(self) -> float:
-        return len(self.unused) / self.prefetched if self.prefetched else 0.0
+        """Prefetches no job claimed: evicted unused, or still unclaimed now."""
+        s = self.cache.stats
+        return (s.prefetch_wasted + len(self.cache.guessed)) / s.prefetched if s.prefetched else 0.0

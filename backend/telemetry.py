@@ -66,7 +66,6 @@ class Telemetry:
         self.compute_busy_s = 0.0
         self.fetched = 0
         self.prefetched = 0
-        self.prefetched_unused = 0
 
     def record_link(
         self, start: float, end: float, key: tuple[int, int], nbytes: int, prefetch: bool = False
@@ -87,10 +86,6 @@ class Telemetry:
     def record_token(self, request_id: str) -> None:
         with self._lock:
             self.tokens.append((time.perf_counter(), request_id))
-
-    def record_unused_prefetch(self, n: int = 1) -> None:
-        with self._lock:
-            self.prefetched_unused += n
 
     def lanes(self, start: float, end: float) -> tuple[list[Interval], list[Interval]]:
         with self._lock:

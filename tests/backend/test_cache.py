@@ -116,3 +116,18 @@ def test_random_operations_keep_invariants(ops, policy: str, n_slots: int) -> No
         assert all(c.is_present(key) for key, n in pins.items() if n)
         assert len(c.slot_of) + len(c.free) == n_slots
         assert sum(c.refs) == sum(pins.values())
+
+
+def test_prefetch_accounting() -> None:
+    c = ExpertCache(2, "lru")
+    for k in [(1, 0), (1, 1)]:
+        c.reserve(k)
+        c.unpin(k)
+        c.mark_prefetched(k)
+        c.complete(k)
+    c.record_lookup((1, 0))  # a job claims the first guess
+    c.pin((1, 0))
+    c.record_use((1, 2))
+    c.reserve((1, 2))  # evicts the unclaimed guess
+    s = c.stats
+    assert (s.prefetched, s.prefetch_used, s.prefetch_wasted) == (2, 1, 1) and not c.guessed
