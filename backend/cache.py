@@ -83,9 +83,6 @@ class ExpertCache:
         """How many of ``keys`` are cached, unpinned and ready (so would be pinned by a claim)."""
         return sum(1 for k in keys if k in self._lru)
 
-    def resident(self) -> list[Key]:
-        return [k for k, s in self.slot_of.items() if self.ready[s]]
-
     # --- uses, pins ---------------------------------------------------------------------
 
     def record_use(self, key: Key) -> None:

@@ -224,8 +224,6 @@ class Engine:
             else:
                 self.layouts[msg.key] = msg.layout
                 self.cache.complete(msg.key)
-                if self.prefetcher:
-                    self.prefetcher.fetched(msg.key)
         elif isinstance(msg, Submit):
             self._on_submit(msg)
         elif isinstance(msg, Abort):

@@ -12,10 +12,11 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
-from backend.models.weights import ExpertRef
+from backend.models.weights import ExpertRef, dequantize_slot
 from backend.telemetry import Telemetry
 
 Done = Callable[[tuple[int, int], tuple[int, int, int] | None, str | None], None]
@@ -115,13 +116,11 @@ class Fetcher:
     def _fetch_decoded(
         self, ref: ExpertRef, slot: int, layout: tuple[int, int, int]
     ) -> tuple[int, int, int]:
-        from backend.store import dequantize_slot
-
         self.store.read_into(ref, self._staging)
         row = self.slots[slot]
         offsets = []
         start = 0
-        with torch.cuda.stream(self._stream) if self._cuda else _nullcontext():
+        with torch.cuda.stream(self._stream) if self._cuda else nullcontext():
             raw = self._staging.to(row.device, non_blocking=True) if self._cuda else self._staging
             for part, weights in zip(
                 ref.parts, dequantize_slot(raw, ref, layout, self.decode), strict=True
@@ -133,11 +132,3 @@ class Fetcher:
         if self._cuda:
             self._stream.synchronize()
         return offsets[0], offsets[1], offsets[2]
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

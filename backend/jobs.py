@@ -12,9 +12,8 @@ import torch
 
 from backend.cache import ExpertCache
 from backend.models.transformer import SeqSlice, Transformer
-from backend.models.weights import ExpertRef, ExpertWeights
+from backend.models.weights import ExpertRef, ExpertWeights, dequantize_slot
 from backend.request import Request
-from backend.store import dequantize_slot
 
 
 class JobRunner:
@@ -108,16 +107,23 @@ class JobRunner:
         t, layer = self.t, group[0].layer
         if t.config.sparse_layers[layer]:
             x = torch.cat([r.x for r in group])
-            ids = torch.cat([r.route_ids for r in group])
             w = torch.cat([r.route_w for r in group])
-            # Only experts claimed by a request count for its rows (a streaming job
-            # computes its experts chunk by chunk).
-            owner = torch.cat([torch.full((r.n,), i, device=x.device) for i, r in enumerate(group)])
             claims = [set(e for _, e in r.claim) for r in group]
+            # A streaming job (more experts than the cache holds) computes its experts chunk
+            # by chunk: hide the routes to experts outside this chunk from the expert loop.
+            ids = torch.cat(
+                [
+                    r.route_ids
+                    if len(c) == len(r.needed)
+                    else r.route_ids.masked_fill(
+                        ~torch.isin(r.route_ids, torch.tensor(sorted(c), device=x.device)), -1
+                    )
+                    for r, c in zip(group, claims, strict=True)
+                ]
+            )
             y = torch.zeros_like(x)
             for e in sorted(set().union(*claims)):
-                allowed = torch.tensor([e in c for c in claims], device=x.device)[owner]
-                rows, kk = ((ids == e) & allowed[:, None]).nonzero(as_tuple=True)
+                rows, kk = (ids == e).nonzero(as_tuple=True)
                 if rows.numel():
                     y.index_add_(
                         0, rows, t.expert_mlp(self.expert(layer, e), x[rows]) * w[rows, kk, None]

@@ -45,9 +45,6 @@ class Prefetcher:
             self.counts[prev[0]][src[:, None], dst[None, :]] += 1
         self._prev[r.id] = (r.layer, r.needed)
 
-    def fetched(self, key: tuple[int, int]) -> None:
-        pass
-
     def predict(self, r: Request) -> list[int]:
         c = self.model.config
         nxt = r.layer + 1

@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-from backend.formats.quants import dequantize
 from backend.formats.tensors import TensorRef
-from backend.models.weights import ExpertRef, ExpertWeights
+from backend.models.weights import ExpertRef, Layout, dequantize_slot, packed_layout
 
 __all__ = [
     "ALIGN",
@@ -49,8 +48,6 @@ __all__ = [
 # 4096 covers every common SSD and filesystem (and is the page size).
 ALIGN = 4096
 TIERS = ("ssd", "host")
-
-Layout = tuple[int, int, int]
 
 
 def _round_up(n: int, to: int = ALIGN) -> int:
@@ -246,7 +243,7 @@ class HostStore(ExpertStore):
                 os.close(fd)
 
     def layout(self, ref: ExpertRef) -> Layout:
-        return 0, ref.gate.nbytes, ref.gate.nbytes + ref.up.nbytes
+        return packed_layout(ref)
 
     def raw(self, ref: ExpertRef) -> torch.Tensor:
         """The expert's stored bytes (a view, no copy): a fetcher may copy it asynchronously."""
@@ -272,19 +269,3 @@ def open_store(tier: str, experts: list[list[ExpertRef]], pin_memory: bool = Fal
     if tier == "host":
         return HostStore(experts, pin_memory)
     raise ValueError(f"unknown expert store tier {tier!r} (expected one of {', '.join(TIERS)})")
-
-
-def dequantize_slot(
-    slot_row: torch.Tensor, ref: ExpertRef, layout: Layout, dtype: torch.dtype = torch.float32
-) -> ExpertWeights:
-    """Gate, up, down of ``ref`` decoded from a slot filled with ``layout``, on its device.
-
-    Like ``dequantize``, float-typed parts already in ``dtype`` may be views of the slot:
-    use them only while the slot is pinned in the cache.
-    """
-    flat = slot_row.reshape(-1)
-    out = [
-        dequantize(flat[o : o + p.nbytes], p.qtype, p.shape, dtype)
-        for p, o in zip(ref.parts, layout, strict=True)
-    ]
-    return out[0], out[1], out[2]

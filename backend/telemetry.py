@@ -65,7 +65,6 @@ class Telemetry:
         self.link_busy_s = 0.0
         self.compute_busy_s = 0.0
         self.fetched = 0
-        self.prefetched = 0
 
     def record_link(
         self, start: float, end: float, key: tuple[int, int], nbytes: int, prefetch: bool = False
@@ -74,7 +73,6 @@ class Telemetry:
             self.link.append(LinkEvent(start, end, key, nbytes, prefetch))
             self.link_busy_s += end - start
             self.fetched += 1
-            self.prefetched += prefetch
 
     def record_compute(
         self, start: float, end: float, layer: int, requests: tuple[str, ...], tokens: int

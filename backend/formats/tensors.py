@@ -31,13 +31,6 @@ class TensorRef:
                 f"{self.shape} {self.qtype.name} needs {tensor_nbytes(self.qtype, self.shape)} bytes, not {self.nbytes}"
             )
 
-    def slice_rows(self, start: int, count: int) -> TensorRef:
-        """Rows ``start:start+count`` of the first dim (a view of a contiguous sub-range)."""
-        row = self.nbytes // self.shape[0]
-        return TensorRef(
-            self.path, self.offset + start * row, count * row, self.qtype, (count, *self.shape[1:])
-        )
-
     @property
     def numel(self) -> int:
         n = 1

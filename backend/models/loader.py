@@ -45,10 +45,6 @@ class LoadedModel:
         t = self.transformer
         return ResidentExperts(self.files, self.experts, t.dtype, t.device, budget_mib << 20)
 
-    @property
-    def expert_bytes(self) -> int:
-        return sum(e.nbytes for layer in self.experts for e in layer)
-
 
 def _gguf_layout(
     g: GGUFFile,

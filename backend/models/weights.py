@@ -36,15 +36,29 @@ class ExpertRef:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-def dequantize_expert(raw: torch.Tensor, ref: ExpertRef, dtype: torch.dtype) -> ExpertWeights:
-    """Dequantize an expert held as one contiguous buffer (gate | up | down, stored form)."""
+Layout = tuple[int, int, int]  # byte offsets of gate, up, down inside an expert's buffer
+
+
+def packed_layout(ref: ExpertRef) -> Layout:
+    """Gate, up, down back to back."""
+    return 0, ref.gate.nbytes, ref.gate.nbytes + ref.up.nbytes
+
+
+def dequantize_slot(
+    slot_row: torch.Tensor, ref: ExpertRef, layout: Layout, dtype: torch.dtype = torch.float32
+) -> ExpertWeights:
+    """Gate, up, down of ``ref`` decoded from a buffer filled with ``layout``, on its device.
+
+    Like ``dequantize``, float-typed parts already in ``dtype`` may be views of the buffer:
+    use them only while the buffer (a pinned cache slot) keeps its contents.
+    """
     from backend.formats.quants import dequantize
 
-    out = []
-    start = 0
-    for part in ref.parts:
-        out.append(dequantize(raw[start : start + part.nbytes], part.qtype, part.shape, dtype))
-        start += part.nbytes
+    flat = slot_row.reshape(-1)
+    out = [
+        dequantize(flat[o : o + p.nbytes], p.qtype, p.shape, dtype)
+        for p, o in zip(ref.parts, layout, strict=True)
+    ]
     return out[0], out[1], out[2]
 
 
@@ -81,7 +95,9 @@ class ResidentExperts:
             self._lru.move_to_end(key)
             return hit
         ref = self.experts[layer][expert]
-        weights = dequantize_expert(self.raw(ref).to(self.device), ref, self.dtype)
+        weights = dequantize_slot(
+            self.raw(ref).to(self.device), ref, packed_layout(ref), self.dtype
+        )
         size = sum(w.numel() * w.element_size() for w in weights)
         if size <= self.budget_bytes:
             while self._bytes + size > self.budget_bytes:
