@@ -85,10 +85,23 @@ class Telemetry:
         with self._lock:
             self.tokens.append((time.perf_counter(), request_id))
 
+    @staticmethod
+    def _recent(events: deque, start: float, end: float) -> list[Interval]:
+        """Intervals of a lane overlapping [start, end], oldest first. Walks back from the
+        newest event only as far as ``start``: live snapshots cost the window, not the log."""
+        out = []
+        for e in reversed(events):
+            if e.end <= start:
+                break
+            if e.start < end:
+                out.append((e.start, e.end))
+        out.reverse()
+        return out
+
     def lanes(self, start: float, end: float) -> tuple[list[Interval], list[Interval]]:
         with self._lock:
-            link = [(e.start, e.end) for e in self.link if e.end > start and e.start < end]
-            comp = [(e.start, e.end) for e in self.compute if e.end > start and e.start < end]
+            link = self._recent(self.link, start, end)
+            comp = self._recent(self.compute, start, end)
         return clip(link, start, end), clip(comp, start, end)
 
     def window(self, start: float, end: float) -> dict[str, float]:
@@ -97,7 +110,11 @@ class Telemetry:
         link, comp = self.lanes(start, end)
         link_s, comp_s = sum(e - s for s, e in link), sum(e - s for s, e in comp)
         with self._lock:
-            n_tokens = sum(1 for t, _ in self.tokens if start <= t <= end)
+            n_tokens = 0
+            for t, _ in reversed(self.tokens):
+                if t < start:
+                    break
+                n_tokens += t <= end
         return {
             "wall_s": wall,
             "link_busy_s": link_s,
