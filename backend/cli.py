@@ -193,17 +193,15 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"added {entry.name} ({entry.family}, {entry.quant}, {_size(entry.size_bytes)})")
         return 0
     if args.models_command == "info":
-        entry = catalog.describe(args.path.expanduser())
-        if entry.error:
-            raise BevyError(f"{args.path}: {entry.error}")
         from backend.models.loader import inspect_model
 
-        c = inspect_model(args.path).config
+        info = inspect_model(args.path)  # a bad file raises ModelLoadError: one line, exit 2
+        c = info.config
         for key, value in vars(c).items():
             if key != "sparse_layers":
                 print(f"{key:26} {value}")
         print(f"{'sparse layers':26} {sum(c.sparse_layers)} of {c.n_layers}")
-        print(f"{'quant':26} {entry.quant}\n{'size':26} {_size(entry.size_bytes)}")
+        print(f"{'quant':26} {info.quant}\n{'size':26} {_size(info.size_bytes)}")
         return 0
     entries = catalog.list_models()
     if not entries:

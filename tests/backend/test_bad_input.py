@@ -165,3 +165,10 @@ def test_bad_metadata_names_the_file(tiny_gguf: Path, tmp_path: Path) -> None:
     assert_clean_error(
         run_cli("generate", "--model", str(bad), "hi"), bad, "invalid or missing qwen3moe metadata"
     )
+
+
+def test_models_info(tiny_gguf: Path, tmp_path: Path) -> None:
+    done = run_cli("models", "info", str(tiny_gguf))
+    assert done.returncode == 0 and "family                     llama" in done.stdout
+    missing = tmp_path / "gone.gguf"
+    assert_clean_error(run_cli("models", "info", str(missing)), missing, "no such file")
