@@ -21,6 +21,7 @@ from backend.errors import BevyError
 from backend.generate import chat_prompt_ids, greedy_reference
 from backend.messages import ErrorEvent, Submit, TokenEvent
 from backend.models.loader import LoadedModel
+from backend.telemetry import coalesce
 from backend.workloads import load_workload
 
 SLOT_NOTES = {
@@ -42,6 +43,7 @@ class BenchPlan:
     repeats: int = 1
     eviction: str = "lfu"
     slot_format: str = "auto"
+    keep_lanes: bool = False  # records carry each lane's busy intervals (compare view)
 
 
 def prompts_for(model: LoadedModel, workload: str, n: int) -> list[list[int]]:
@@ -127,6 +129,10 @@ def run_once(
         "slot_format": eng.slot_format,
         "tokens": [tokens[f"b{i}"] for i in range(len(prompts))],
     }
+    if plan.keep_lanes:
+        link, comp = eng.telemetry.lanes(t0, t_end)
+        rel = lambda lane: [(s - t0, e - t0) for s, e in coalesce(lane, 5e-4)]  # noqa: E731
+        record["lanes"] = {"link": rel(link), "compute": rel(comp)}
     if trace is not None:
         eng.telemetry.write_chrome_trace(trace)
     eng.close()
@@ -180,6 +186,7 @@ def run_bench(
                     r["tokens_identical_to_reference"] for r in runs
                 ),
                 "repeats": len(runs),
+                **({"lanes": runs[0]["lanes"]} if plan.keep_lanes else {}),
             }
         )
     _add_ratios(records)

@@ -1,8 +1,11 @@
 """The ``bevy`` command.
 
-bevy                        the desktop app (a terminal chat where there is no app/display)
+bevy                        the desktop app (the headless demo where there is no display)
 bevy generate PROMPT        stream one reply to stdout
 bevy chat                   interactive chat in the terminal
+bevy demo                   concurrent sample chats with live progress in the terminal
+bevy serve                  OpenAI-compatible HTTP API (127.0.0.1:8080)
+bevy bench                  scheduling policies side by side
 bevy models list|add|pull-demo|info
 """
 
@@ -36,6 +39,37 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system prompt")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default="0.3", help="expert cache: fraction, count or size")
+    p.add_argument("--storage", choices=("ssd", "host"), default="ssd")
+    p.add_argument("--eviction", choices=("lru", "lfu"), default="lfu")
+    p.add_argument("--policy", default="bevy", help="scheduling policy")
+    p.add_argument("--max-active", type=int, default=16, help="requests running at once")
+    p.add_argument(
+        "--slot-format",
+        choices=("auto", "stored", "decoded"),
+        default="auto",
+        help="what a cache slot holds",
+    )
+
+
+def _engine_config(args: argparse.Namespace):
+    from backend.config import EngineConfig
+
+    try:
+        return EngineConfig(
+            device=args.device,
+            storage=args.storage,
+            cache=args.cache,
+            eviction=args.eviction,
+            policy=args.policy,
+            max_active=args.max_active,
+            slot_format=args.slot_format,
+        )
+    except ValueError as exc:
+        raise BevyError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +115,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Chrome/Perfetto trace of the first configuration, one file per policy",
     )
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP API on this machine")
+    _add_model_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("BEVY_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $BEVY_API_KEY, else none)",
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=64, help="requests in flight before answering 429"
+    )
+    _add_engine_args(serve)
+    demo = sub.add_parser(
+        "demo", help="concurrent sample chats with live progress in the terminal (no GUI)"
+    )
+    _add_model_arg(demo)
+    _add_engine_args(demo)
+    demo.add_argument("--sessions", type=int, default=4, help="concurrent sample sessions")
+    demo.add_argument("--max-tokens", type=int, default=64, help="tokens per reply")
     models = sub.add_parser("models", help="manage local models")
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="show local models")
@@ -272,14 +326,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from backend.serve import serve_forever
+    from backend.service import EngineService
+
+    config = _engine_config(args)
+    if args.max_queue < 1 or not 0 <= args.port < 65536:
+        raise BevyError("--max-queue must be >= 1 and --port in [0, 65535]")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"bevy: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    try:
+        service = EngineService(_load(args), config)
+    except ValueError as exc:  # model-dependent limits (cache size) checked by the engine
+        raise BevyError(str(exc)) from None
+    try:
+        serve_forever(service, args.host, args.port, args.api_key, args.max_queue)
+    finally:
+        service.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from backend.headless import run_headless
+
+    if args.sessions < 1 or args.max_tokens < 1:
+        raise BevyError("--sessions and --max-tokens must be >= 1")
+    config = _engine_config(args)
+    try:
+        return run_headless(args.model, config, args.sessions, args.max_tokens)
+    except ValueError as exc:  # model-dependent limits (cache size) checked by the engine
+        raise BevyError(str(exc)) from None
+
+
 def cmd_default(args: argparse.Namespace) -> int:
-    """No sub-command: a chat in the terminal (the desktop app is not built yet)."""
-    if sys.stdin.isatty():
-        return cmd_chat(build_parser().parse_args(["chat"]))
-    ns = build_parser().parse_args(
-        ["generate", "--temperature", "0", "--stats", "What is the capital of France?"]
-    )
-    return cmd_generate(ns)
+    """No sub-command (and no display for the app, see app.main.entry): the headless demo."""
+    return cmd_demo(build_parser().parse_args(["demo"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         "generate": cmd_generate,
         "chat": cmd_chat,
         "bench": cmd_bench,
+        "serve": cmd_serve,
+        "demo": cmd_demo,
         "models": cmd_models,
         None: cmd_default,
     }

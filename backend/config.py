@@ -33,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):

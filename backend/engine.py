@@ -44,7 +44,7 @@ from backend.request import Request, RequestStatus
 from backend.sampling import make_generator, sample
 from backend.scheduler import make_policy
 from backend.store import open_store
-from backend.telemetry import Telemetry
+from backend.telemetry import Telemetry, coalesce
 
 
 @dataclass(frozen=True)
@@ -475,9 +475,17 @@ class Engine:
         need = sum(len(r.needed) for r in self.running)
         return "on" if need <= self.cache.n_slots else "limited"
 
-    def snapshot(self, now: float | None = None, window_s: float = 2.0) -> MetricsSnapshot:
+    def snapshot(
+        self, now: float | None = None, window_s: float = 2.0, lane_window_s: float = 6.0
+    ) -> MetricsSnapshot:
+        """Metrics over the last ``window_s``; lanes and residency for live views."""
         now = now or time.perf_counter()
         w = self.telemetry.window(now - window_s, now)
+        link, comp = self.telemetry.lanes(now - lane_window_s, now)
+        # Sub-millisecond gaps are invisible at panel scale; merging keeps snapshots small.
+        rel = lambda lane: tuple((s - now, e - now) for s, e in coalesce(lane, 5e-4))  # noqa: E731
+        cache = self.cache
+        resident = tuple(k for k, slot in cache.slot_of.items() if cache.ready[slot])
         n_layers = self.model.config.n_layers
         progress = []
         for r in self.running:
@@ -502,4 +510,11 @@ class Engine:
             cache_pinned=self.cache.n_pinned,
             runahead=self.runahead_state(),
             requests=tuple(progress),
+            lane_window_s=lane_window_s,
+            link_lane=rel(link),
+            compute_lane=rel(comp),
+            resident=resident,
+            n_layers=n_layers,
+            n_experts=self.model.config.n_experts,
+            tokens_total=self.telemetry.n_tokens,
         )

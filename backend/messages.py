@@ -66,6 +66,15 @@ class MetricsSnapshot:
     cache_pinned: int
     runahead: str  # "on", "limited" (cache too small for every request's experts), "off"
     requests: tuple[RequestProgress, ...] = field(default=())
+    # For live views: the last ``lane_window_s`` seconds of each lane as (start, end)
+    # pairs in seconds before ``t`` (negative numbers), and which experts are resident.
+    lane_window_s: float = 0.0
+    link_lane: tuple[tuple[float, float], ...] = ()
+    compute_lane: tuple[tuple[float, float], ...] = ()
+    resident: tuple[tuple[int, int], ...] = ()  # (layer, expert) keys ready in the cache
+    n_layers: int = 0
+    n_experts: int = 0  # routed experts per layer
+    tokens_total: int = 0
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,18 @@ POLICIES = (
     "bevy+prefetch-gate",
 )
 
+# One line each, for the app's compare view and `bevy bench --help`-style listings.
+POLICY_NOTES = {
+    "bevy": "Runahead: ready requests compute layer by layer while the link fetches only experts some request has already selected.",
+    "sync": "llama.cpp-like: all requests advance together; each layer waits for its missing experts to load.",
+    "prefetch-gate": "Applies the next layer's router to this layer's hidden state and loads the guessed experts while the link is idle.",
+    "prefetch-history": "Guesses the next layer's experts from recorded layer-to-layer co-activation and loads them ahead.",
+    "bevy-static:K": "Ablation: runahead in fixed groups of K requests instead of self-balancing groups.",
+    "bevy-fifo": "Ablation: runahead computing jobs in arrival order instead of lowest layer first.",
+    "bevy-srtf": "Ablation: runahead fetching for the job with the fewest missing experts first, globally.",
+    "bevy+prefetch-gate": "Runahead plus gate prefetching on the idle link.",
+}
+
 
 def make_policy(name: str) -> Policy:
     if name == "bevy":

@@ -31,6 +31,17 @@ def overlap(a: list[Interval], b: list[Interval]) -> float:
     return total
 
 
+def coalesce(intervals: list[Interval], gap: float) -> list[Interval]:
+    """Merge intervals separated by less than ``gap`` (fewer shapes for live views)."""
+    out: list[Interval] = []
+    for s, e in intervals:
+        if out and s - out[-1][1] < gap:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
 def clip(intervals: list[Interval], start: float, end: float) -> list[Interval]:
     return [(max(s, start), min(e, end)) for s, e in intervals if e > start and s < end]
 
@@ -65,6 +76,7 @@ class Telemetry:
         self.link_busy_s = 0.0
         self.compute_busy_s = 0.0
         self.fetched = 0
+        self.n_tokens = 0
 
     def record_link(
         self, start: float, end: float, key: tuple[int, int], nbytes: int, prefetch: bool = False
@@ -84,6 +96,7 @@ class Telemetry:
     def record_token(self, request_id: str) -> None:
         with self._lock:
             self.tokens.append((time.perf_counter(), request_id))
+            self.n_tokens += 1
 
     @staticmethod
     def _recent(events: deque, start: float, end: float) -> list[Interval]:

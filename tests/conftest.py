@@ -14,3 +14,11 @@ def smollm2_gguf() -> Path:
     from backend.demo_source import ensure_base_gguf
 
     return ensure_base_gguf(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_moe(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
+    """A tiny random Mixtral (HF folder) with SmolLM2's real tokenizer and chat template."""
+    from tests.backend.models.tiny import make_tiny_chat
+
+    return make_tiny_chat("mixtral", tmp_path_factory.mktemp("chat") / "tiny-moe", smollm2_gguf)

@@ -62,6 +62,9 @@ def test_repetition_penalty_discourages_seen_tokens() -> None:
         {"repetition_penalty": 0},
         {"max_tokens": 0},
         {"stop": ("",)},
+        {"seed": -1},
+        {"seed": 2**64},
+        {"seed": 1.5},
     ],
 )
 def test_invalid_values_rejected(kwargs: dict) -> None:

@@ -1,0 +1,220 @@
+"""The only object that talks to the engine: commands in, engine events out as Qt signals.
+
+Engine events arrive on the service's dispatcher thread; they cross to the GUI thread
+through a queued signal, so every public signal here fires on the main thread. Metrics
+go through a throttle (newest wins, ~10 Hz). Loading a model takes seconds, so it runs
+on a worker thread and reports progress; conversations never depend on an engine being
+up (a reload stops the replies in flight, which the window saves as stopped).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Signal, Slot
+
+from app.throttle import Throttle
+from backend.config import EngineConfig, SamplingParams
+from backend.messages import ErrorEvent, Finished, MetricsSnapshot, Submit, TokenEvent
+
+
+class Bridge(QObject):
+    token = Signal(str, str)  # request id, new text
+    finished = Signal(object)  # Finished
+    failed = Signal(str, str)  # request id, message
+    metrics = Signal(object)  # MetricsSnapshot, at most ~10 Hz
+    state_changed = Signal(str, str)  # "loading" | "ready" | "error" | "stopped", detail
+    load_progress = Signal(int, int)  # done, total
+    compare_log = Signal(str)
+    compare_done = Signal(object, str)  # records (list[dict]) or None, error message
+    api_changed = Signal(str)  # URL being served, or "" when stopped
+
+    _event = Signal(object)  # from the dispatcher thread; queued to the GUI thread
+    _snapshot = Signal(object)  # likewise: the throttle's timer lives on the GUI thread
+    _loaded = Signal(object, object, str)  # service or None, config, error
+    _progress = Signal(int, int)
+    _compared = Signal(object, str)
+    _logged = Signal(str)
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.service = None  # backend.service.EngineService once loaded
+        self.model_path: Path | None = None
+        self.config: EngineConfig | None = None
+        self.state = "stopped"
+        self.detail = ""
+        self._api = None
+        self._api_wanted: tuple[str, int, str | None] | None = None
+        self._unsubscribe = None
+        self._loader: threading.Thread | None = None
+        self._throttle = Throttle(interval_ms=100, parent=self)
+        self._throttle.delivered.connect(self.metrics)
+        self._event.connect(self._on_event)
+        self._snapshot.connect(self._throttle.push)
+        self._loaded.connect(self._on_loaded)
+        self._progress.connect(self.load_progress)
+        self._compared.connect(self.compare_done)
+        self._logged.connect(self.compare_log)
+
+    # --- engine lifetime ----------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.service is not None
+
+    @property
+    def model_name(self) -> str:
+        return self.service.model_name if self.service is not None else ""
+
+    def load(self, model_path: str | Path | None, config: EngineConfig) -> None:
+        """(Re)start the engine on ``model_path`` (None: the demo MoE) in the background."""
+        if self._loader is not None and self._loader.is_alive():
+            return
+        old, self.service = self.service, None
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self._stop_api_server()
+        self._set_state("loading", str(model_path or "demo MoE"))
+        self._loader = threading.Thread(
+            target=self._load_worker, args=(old, model_path, config), daemon=True
+        )
+        self._loader.start()
+
+    def _load_worker(self, old, model_path: str | Path | None, config: EngineConfig) -> None:
+        from backend.service import EngineService, resolve_device
+
+        try:
+            if old is not None:
+                old.close()  # in-flight replies end with Finished(abort) / ErrorEvent
+            if model_path is None:
+                from backend.demo import ensure_demo
+
+                model_path = ensure_demo(quiet=True)
+            resolved = EngineConfig(**{**vars(config), "device": resolve_device(config.device)})
+            service = EngineService.open(model_path, resolved, progress=self._progress.emit)
+        except Exception as exc:  # any failure is shown in the window, never a crash
+            self._loaded.emit(None, config, f"{exc}")
+            return
+        self._loaded.emit(service, resolved, "")
+
+    @Slot(object, object, str)
+    def _on_loaded(self, service, config: EngineConfig, error: str) -> None:
+        if service is None:
+            self._set_state("error", error)
+            return
+        self.service, self.config, self.model_path = service, config, service.model.path
+        self._unsubscribe = service.subscribe_metrics(self._snapshot.emit)
+        if self._api_wanted is not None:
+            self._start_api_server(*self._api_wanted)
+        self._set_state("ready", service.model_name)
+
+    def _set_state(self, state: str, detail: str) -> None:
+        self.state, self.detail = state, detail
+        self.state_changed.emit(state, detail)
+
+    def wait_loaded(self, timeout: float = 120.0) -> bool:
+        """Block until a pending load finished (tests and the headless path)."""
+        if self._loader is not None:
+            self._loader.join(timeout)
+        return self._loader is None or not self._loader.is_alive()
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.join(60)
+        self._stop_api_server()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self.service is not None:
+            self.service.close()
+            self.service = None
+        self._set_state("stopped", "")
+
+    # --- requests -----------------------------------------------------------------------
+
+    def submit(
+        self,
+        messages: list[dict],
+        params: SamplingParams,
+        session: str = "",
+        tools: list[dict] | None = None,
+    ) -> str | None:
+        """Queue a reply; returns its request id, or None when no engine is loaded."""
+        if self.service is None:
+            return None
+        rid = self.service.new_id("app")
+        self.service.submit(
+            Submit(rid, params, messages=messages, tools=tools, session=session), self._event.emit
+        )
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        if self.service is not None:
+            self.service.abort(request_id)
+
+    @Slot(object)
+    def _on_event(self, ev: object) -> None:
+        if isinstance(ev, TokenEvent):
+            if ev.text:
+                self.token.emit(ev.request_id, ev.text)
+        elif isinstance(ev, Finished):
+            self.finished.emit(ev)
+        elif isinstance(ev, ErrorEvent):
+            self.failed.emit(ev.request_id or "", ev.message)
+
+    def latest_metrics(self) -> MetricsSnapshot | None:
+        return self.service.latest if self.service is not None else None
+
+    # --- compare runs -------------------------------------------------------------------
+
+    def compare(
+        self, policies: tuple[str, ...], workload: str, requests: int, cache: float, tokens: int
+    ) -> bool:
+        """Run a side-by-side policy comparison on a worker thread; False if no model."""
+        service = self.service
+        if service is None:
+            return False
+
+        def work() -> None:
+            try:
+                records = service.compare(
+                    policies, workload, requests, cache, tokens, log=self._logged.emit
+                )
+            except Exception as exc:  # shown in the compare view
+                self._compared.emit(None, str(exc))
+                return
+            self._compared.emit(records, "")
+
+        threading.Thread(target=work, name="bevy-compare", daemon=True).start()
+        return True
+
+    # --- the local OpenAI-compatible API ------------------------------------------------
+
+    def set_api(
+        self, enabled: bool, host: str = "127.0.0.1", port: int = 8080, key: str = ""
+    ) -> str:
+        """Serve this engine over HTTP (same cache as the app's sessions). Returns an error."""
+        self._api_wanted = (host, port, key or None) if enabled else None
+        self._stop_api_server()
+        if enabled and self.service is not None:
+            return self._start_api_server(host, port, key or None)
+        return ""
+
+    def _start_api_server(self, host: str, port: int, key: str | None) -> str:
+        from backend.serve import start_server
+
+        try:
+            self._api = start_server(self.service, host=host, port=port, api_key=key)
+        except Exception as exc:  # port in use and the like: reported in settings
+            self.api_changed.emit("")
+            return str(exc)
+        self.api_changed.emit(f"http://{host}:{self._api.port}/v1")
+        return ""
+
+    def _stop_api_server(self) -> None:
+        if self._api is not None:
+            self._api.stop()
+            self._api = None
+            self.api_changed.emit("")

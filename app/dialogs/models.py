@@ -1,0 +1,162 @@
+"""The model manager: local models, adding a GGUF file or HF folder, getting the demo MoE."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QDialog,
+    QFileDialog,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
+)
+
+from backend import catalog
+from backend.errors import BevyError
+
+COLUMNS = ("Name", "Architecture", "Experts/layer", "Top-k", "Quant", "Size", "Path")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+class ModelManager(QDialog):
+    use_model = Signal(str)  # path chosen with "Use selected"
+    _demo_done = Signal(str, str)  # path, error
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Models")
+        self.resize(860, 360)
+        self.error_box: QMessageBox | None = None
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.setSelectionBehavior(QTableWidget.SelectionBehavior.SelectRows)
+        self.table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+        self.table.horizontalHeader().setSectionResizeMode(
+            len(COLUMNS) - 1, QHeaderView.ResizeMode.Stretch
+        )
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 0)  # the demo build reports no fraction: a busy bar
+        self.progress.hide()
+        self.status = QLabel()
+        add_file = QPushButton("Add GGUF file…")
+        add_file.clicked.connect(self._browse_file)
+        add_dir = QPushButton("Add HF folder…")
+        add_dir.clicked.connect(self._browse_dir)
+        self.demo_button = QPushButton("Get demo MoE")
+        self.demo_button.setToolTip(
+            "Builds the 32-expert demo from SmolLM2-135M (about 1.5 GiB, under a minute)"
+        )
+        self.demo_button.clicked.connect(self.get_demo)
+        use = QPushButton("Use selected")
+        use.clicked.connect(self._use_selected)
+        buttons = QHBoxLayout()
+        for b in (add_file, add_dir, self.demo_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        buttons.addWidget(use)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.table)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.status)
+        layout.addLayout(buttons)
+        self._demo_done.connect(self._on_demo_done)
+        self.refresh()
+
+    def refresh(self) -> None:
+        entries = catalog.list_models()
+        self.table.setRowCount(len(entries))
+        for row, e in enumerate(entries):
+            cells = (
+                e.name,
+                e.family if not e.error else f"unreadable: {e.error}",
+                str(e.experts_per_layer),
+                str(e.top_k),
+                e.quant,
+                _size(e.size_bytes),
+                str(e.path),
+            )
+            for col, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setData(Qt.ItemDataRole.UserRole, str(e.path))
+                self.table.setItem(row, col, item)
+        self.table.resizeColumnsToContents()
+        self.status.setText(f"{len(entries)} local model(s)")
+
+    def paths(self) -> list[str]:
+        return [
+            self.table.item(r, 0).data(Qt.ItemDataRole.UserRole)
+            for r in range(self.table.rowCount())
+        ]
+
+    # --- adding -------------------------------------------------------------------------
+
+    def _browse_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Add a GGUF model", "", "GGUF (*.gguf)")
+        if path:
+            self.add_path(path)
+
+    def _browse_dir(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Add a Hugging Face model folder")
+        if path:
+            self.add_path(path)
+
+    def add_path(self, path: str | Path) -> bool:
+        """Validate and register a model; a bad one shows an error and changes nothing."""
+        try:
+            entry = catalog.add_model(path)
+        except BevyError as exc:
+            self.show_error("This model cannot be used", str(exc))
+            return False
+        self.refresh()
+        self.status.setText(
+            f"Added {entry.name}: {entry.family}, {entry.experts_per_layer} experts, top-{entry.top_k}"
+        )
+        return True
+
+    def show_error(self, title: str, text: str) -> None:
+        # open(), not exec(): the dialog stays usable and nothing blocks the event loop.
+        self.error_box = QMessageBox(QMessageBox.Icon.Warning, title, text, parent=self)
+        self.error_box.open()
+
+    def get_demo(self) -> None:
+        self.demo_button.setEnabled(False)
+        self.progress.show()
+        self.status.setText("Building the demo MoE (download, calibration, writing)…")
+
+        def work() -> None:
+            from backend.demo import ensure_demo
+
+            try:
+                self._demo_done.emit(str(ensure_demo(quiet=True)), "")
+            except Exception as exc:  # network, disk full: shown, never a crash
+                self._demo_done.emit("", str(exc))
+
+        threading.Thread(target=work, name="bevy-demo", daemon=True).start()
+
+    def _on_demo_done(self, path: str, error: str) -> None:
+        self.progress.hide()
+        self.demo_button.setEnabled(True)
+        if error:
+            self.show_error("Could not get the demo MoE", error)
+            return
+        self.refresh()
+        self.status.setText(f"Demo MoE ready: {path}")
+
+    def _use_selected(self) -> None:
+        row = self.table.currentRow()
+        if row >= 0:
+            self.use_model.emit(self.table.item(row, 0).data(Qt.ItemDataRole.UserRole))
+            self.accept()

@@ -1,0 +1,148 @@
+"""Settings: model, device, storage tier, cache size, policy, concurrency, sampling, API."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.settings import DEVICES, POLICIES, STORAGES, engine_config, sampling
+from backend.scheduler import POLICY_NOTES
+
+
+def _combo(values: tuple[str, ...], current: str) -> QComboBox:
+    box = QComboBox()
+    box.addItems(list(values))
+    box.setCurrentText(current)
+    return box
+
+
+class SettingsDialog(QDialog):
+    """Edits a settings dict; ``values()`` is the result once accepted."""
+
+    def __init__(self, settings: dict, models: list[str], parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self._settings = dict(settings)
+        self.model = QComboBox()
+        self.model.setEditable(True)
+        self.model.addItem("(demo MoE)", "")
+        for path in models:
+            self.model.addItem(path, path)
+        current = settings["model"]
+        if current and self.model.findData(current) < 0:
+            self.model.addItem(current, current)
+        self.model.setCurrentIndex(max(0, self.model.findData(current)))
+        browse = QPushButton("Browse…")
+        browse.clicked.connect(self._browse)
+        model_row = QHBoxLayout()
+        model_row.addWidget(self.model, 1)
+        model_row.addWidget(browse)
+        self.device = _combo(DEVICES, settings["device"])
+        self.storage = _combo(STORAGES, settings["storage"])
+        self.storage.setToolTip(
+            "ssd: experts are read from the model file on demand (O_DIRECT); host: all in RAM"
+        )
+        self.cache = QLineEdit(str(settings["cache"]))
+        self.cache.setToolTip("A share of all experts (30%), a count (288) or a size (512MiB)")
+        self.policy = _combo(POLICIES, settings["policy"])
+        self.policy_note = QLabel(wordWrap=True)
+        self.policy.currentTextChanged.connect(
+            lambda p: self.policy_note.setText(POLICY_NOTES.get(p, ""))
+        )
+        self.policy_note.setText(POLICY_NOTES.get(settings["policy"], ""))
+        self.max_active = QSpinBox(minimum=1, maximum=64, value=int(settings["max_active"]))
+        self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.1, decimals=2)
+        self.temperature.setValue(float(settings["temperature"]))
+        self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1.0, singleStep=0.05, decimals=2)
+        self.top_p.setValue(float(settings["top_p"]))
+        self.max_tokens = QSpinBox(minimum=1, maximum=32768, value=int(settings["max_tokens"]))
+        self.api_enabled = QCheckBox("Serve this engine as an OpenAI-compatible API")
+        self.api_enabled.setChecked(bool(settings["api_enabled"]))
+        self.api_port = QSpinBox(minimum=1, maximum=65535, value=int(settings["api_port"]))
+        self.api_key = QLineEdit(settings["api_key"], placeholderText="optional bearer token")
+        self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
+        self.error = QLabel(wordWrap=True)
+        self.error.setStyleSheet("color: #d9534f")
+
+        engine = QGroupBox("Engine (applying reloads it; conversations are kept)")
+        form = QFormLayout(engine)
+        form.addRow("Model", model_row)
+        form.addRow("Device", self.device)
+        form.addRow("Expert storage", self.storage)
+        form.addRow("Expert cache", self.cache)
+        form.addRow("Policy", self.policy)
+        form.addRow("", self.policy_note)
+        form.addRow("Max concurrent requests", self.max_active)
+        defaults = QGroupBox("Default sampling (sessions can override)")
+        form2 = QFormLayout(defaults)
+        form2.addRow("Temperature", self.temperature)
+        form2.addRow("Top-p", self.top_p)
+        form2.addRow("Max tokens", self.max_tokens)
+        api = QGroupBox("Local API (loopback only)")
+        form3 = QFormLayout(api)
+        form3.addRow(self.api_enabled)
+        form3.addRow("Port", self.api_port)
+        form3.addRow("API key", self.api_key)
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout = QVBoxLayout(self)
+        for w in (engine, defaults, api, self.error, buttons):
+            layout.addWidget(w)
+
+    def _browse(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Model file", "", "GGUF (*.gguf)")
+        if path:
+            self.model.addItem(path, path)
+            self.model.setCurrentIndex(self.model.count() - 1)
+
+    def values(self) -> dict:
+        data = self.model.currentData()
+        text = self.model.currentText().strip()
+        model = (
+            data
+            if data is not None and text == self.model.itemText(self.model.currentIndex())
+            else text
+        )
+        return {
+            **self._settings,
+            "model": model or "",
+            "device": self.device.currentText(),
+            "storage": self.storage.currentText(),
+            "cache": self.cache.text().strip(),
+            "policy": self.policy.currentText(),
+            "max_active": self.max_active.value(),
+            "temperature": self.temperature.value(),
+            "top_p": self.top_p.value(),
+            "max_tokens": self.max_tokens.value(),
+            "api_enabled": self.api_enabled.isChecked(),
+            "api_port": self.api_port.value(),
+            "api_key": self.api_key.text(),
+        }
+
+    def accept(self) -> None:
+        try:
+            v = self.values()
+            engine_config(v)
+            sampling(v)
+        except ValueError as exc:
+            self.error.setText(str(exc))
+            return
+        super().accept()

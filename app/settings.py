@@ -1,0 +1,56 @@
+"""App settings: defaults, validation and conversion to engine/sampling configs (no Qt)."""
+
+from __future__ import annotations
+
+from backend.config import EngineConfig, SamplingParams, parse_cache_size
+
+DEFAULTS: dict = {
+    "model": "",  # empty: the demo MoE
+    "device": "auto",
+    "storage": "ssd",
+    "cache": "30%",
+    "policy": "bevy",
+    "max_active": 8,
+    "temperature": 0.7,
+    "top_p": 0.95,
+    "max_tokens": 512,
+    "api_enabled": False,
+    "api_port": 8080,
+    "api_key": "",
+}
+ENGINE_KEYS = ("model", "device", "storage", "cache", "policy", "max_active")
+DEVICES = ("auto", "cuda", "mps", "cpu")
+STORAGES = ("ssd", "host")
+POLICIES = ("bevy", "sync", "prefetch-gate", "prefetch-history")
+AGENT_SYSTEM_PROMPT = (
+    "You are a careful coding agent. Read the code and tool output you are given, "
+    "explain your plan briefly, then give complete, runnable code in fenced blocks."
+)
+
+
+def merged(saved: dict | None) -> dict:
+    """Saved settings over the defaults; unknown keys dropped."""
+    return {k: (saved or {}).get(k, v) for k, v in DEFAULTS.items()}
+
+
+def engine_config(s: dict) -> EngineConfig:
+    """Raises ValueError naming the bad field."""
+    parse_cache_size(s["cache"], 1000, 1)  # format check; the engine applies model limits
+    return EngineConfig(
+        device=s["device"],
+        storage=s["storage"],
+        cache=str(s["cache"]),
+        policy=s["policy"],
+        max_active=int(s["max_active"]),
+    )
+
+
+def sampling(s: dict, session: dict | None = None) -> SamplingParams:
+    """Defaults from the settings, overridden by a session's own sampling values."""
+    values = {k: s[k] for k in ("temperature", "top_p", "max_tokens")}
+    values.update((session or {}).get("sampling") or {})
+    return SamplingParams(
+        temperature=float(values["temperature"]),
+        top_p=float(values["top_p"]),
+        max_tokens=int(values["max_tokens"]),
+    )

@@ -1,0 +1,300 @@
+"""The desktop app end to end, offscreen, with the real engine on a tiny MoE."""
+
+from __future__ import annotations
+
+import queue
+import time
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QElapsedTimer, Qt, QTimer
+
+from app.main_window import MainWindow
+from app.settings import DEFAULTS
+from app.store import Store
+from backend.config import EngineConfig, SamplingParams
+from backend.messages import Finished, Submit
+from backend.service import EngineService
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+PROMPTS = ["Tell me about rivers.", "Write a haiku on caches.", "What is 12 times 7?"]
+TOKENS = 40
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_chat_moe: Path) -> Path:
+    monkeypatch.setenv("BEVY_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("BEVY_MODELS_DIR", str(tmp_path / "models"))
+    (tmp_path / "models").mkdir()
+    return tiny_chat_moe
+
+
+def settings_for(model: Path, **overrides) -> dict:
+    return {
+        **DEFAULTS,
+        "model": str(model),
+        "device": "cpu",
+        "cache": "50%",
+        "temperature": 0.0,
+        "max_tokens": TOKENS,
+        **overrides,
+    }
+
+
+def open_window(qtbot, settings: dict | None = None) -> MainWindow:
+    store = Store()
+    if settings is not None:
+        store.set_setting("app", settings)
+    w = MainWindow(store)
+    qtbot.addWidget(w)
+    w.show()
+    w.start_engine()
+    qtbot.waitUntil(lambda: w.bridge.ready, timeout=60_000)
+    return w
+
+
+def close_window(w: MainWindow) -> None:
+    w.close()
+    w.store.close()
+
+
+def reference_replies(model: Path, histories: list[list[dict]], max_tokens: int) -> list[str]:
+    """Each history alone through its own engine: what every reply must read."""
+    svc = EngineService.open(model, EngineConfig(cache="50%"))
+    try:
+        out = []
+        for i, h in enumerate(histories):
+            q: queue.Queue = queue.Queue()
+            svc.submit(
+                Submit(
+                    f"ref{i}", SamplingParams(temperature=0.0, max_tokens=max_tokens), messages=h
+                ),
+                q.put,
+            )
+            ev = q.get(timeout=120)
+            while not isinstance(ev, Finished):
+                ev = q.get(timeout=120)
+            out.append(ev.text)
+        return out
+    finally:
+        svc.close()
+
+
+def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) -> None:
+    w = open_window(qtbot, settings_for(env))
+    ids = [w.new_session("chat") for _ in PROMPTS]
+    first_token: dict[int, float] = {}
+    finished_at: list[float] = []
+
+    def on_token(rid: str, _text: str) -> None:
+        reply = w.by_request.get(rid)
+        if reply is not None:
+            first_token.setdefault(reply.session_id, time.perf_counter())
+
+    w.bridge.token.connect(on_token)
+    w.bridge.finished.connect(lambda _ev: finished_at.append(time.perf_counter()))
+    # The GUI thread's worst stall while three replies stream: a 5 ms timer's largest gap.
+    gaps: list[float] = []
+    clock = QElapsedTimer()
+    clock.start()
+    ticker = QTimer()
+    ticker.setInterval(5)
+    last = [clock.elapsed()]
+
+    def tick() -> None:
+        now = clock.elapsed()
+        gaps.append(now - last[0])
+        last[0] = now
+
+    ticker.timeout.connect(tick)
+    ticker.start()
+    for sid, prompt in zip(ids, PROMPTS, strict=True):
+        w.send(prompt, session_id=sid)
+    qtbot.waitUntil(lambda: len(first_token) == 3 and w.panels["Layer progress"].isVisible())
+    w.sessions.select(ids[1])
+    qtbot.wait(300)  # a few panel refreshes with all three requests live
+    ARTIFACTS.mkdir(exist_ok=True)
+    ticker.stop()  # the screenshot itself renders the whole window: not an engine stall
+    assert w.grab().save(str(ARTIFACTS / "main_window.png"))
+    last[0] = clock.elapsed()
+    ticker.start()
+    qtbot.waitUntil(lambda: not w.replies, timeout=120_000)
+    ticker.stop()
+    worst = max(gaps)
+    (ARTIFACTS / "gui_latency.txt").write_text(
+        f"GUI timer (5 ms) worst gap while 3 sessions streamed: {worst} ms over {len(gaps)} ticks\n"
+    )
+    print(f"worst GUI stall {worst} ms")
+    assert worst < 250  # the issue's target is 50 ms; the bound leaves room for a loaded CI box
+    # All three were generating at the same time: every first token came before any finish.
+    assert max(first_token.values()) < min(finished_at)
+
+    histories = [w.store.history(sid)[:-1] for sid in ids]
+    expected = reference_replies(env, histories, TOKENS)
+    assert len(set(expected)) == 3  # distinct replies, so a mix-up would show
+    for sid, text in zip(ids, expected, strict=True):
+        last_msg = w.store.messages(sid)[-1]
+        assert (last_msg.role, last_msg.status, last_msg.content) == ("assistant", "done", text)
+        w.sessions.select(sid)
+        qtbot.waitUntil(
+            lambda sid=sid: w.view.shown_markdown.endswith(w.messages[sid][-1]["content"])
+        )
+    # Panels received snapshots and drew them.
+    assert w.panels["Cache"].hit_rate_history
+    for name, panel in w.panels.items():
+        assert not panel.grab().isNull(), name
+    close_window(w)
+
+
+def test_escape_stops_only_the_current_session(qtbot, env: Path) -> None:
+    w = open_window(qtbot, settings_for(env, max_tokens=3000))
+    a, b = w.new_session("chat"), w.new_session("agent")
+    w.send("first", session_id=a)
+    w.send("second", session_id=b)
+    qtbot.waitUntil(lambda: all(w.replies[s].tokens > 2 for s in (a, b)), timeout=60_000)
+    w.sessions.select(a)
+    qtbot.keyClick(w.input, Qt.Key.Key_Escape)
+    qtbot.waitUntil(lambda: a not in w.replies, timeout=30_000)
+    assert b in w.replies  # still generating
+    stopped = w.store.messages(a)[-1]
+    assert stopped.status == "stopped" and stopped.content
+    before = w.replies[b].tokens
+    qtbot.waitUntil(lambda: w.replies[b].tokens > before + 3, timeout=30_000)
+    w.stop(b)
+    qtbot.waitUntil(lambda: not w.replies, timeout=30_000)
+    assert w.store.messages(b)[-1].status == "stopped"
+    # Every cache pin was released.
+    qtbot.waitUntil(lambda: (s := w.bridge.latest_metrics()) is not None and s.cache_pinned == 0)
+    close_window(w)
+
+
+def test_settings_change_reloads_the_engine_and_keeps_conversations(qtbot, env: Path) -> None:
+    w = open_window(qtbot, settings_for(env, max_tokens=6))
+    sid = w.new_session("chat")
+    w.send("hello", session_id=sid)
+    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    old_service = w.bridge.service
+    w.apply_settings({**w.settings, "policy": "sync", "cache": "4"})
+    qtbot.waitUntil(lambda: w.bridge.ready and w.bridge.service is not old_service, timeout=60_000)
+    assert w.bridge.config.policy == "sync" and w.bridge.service.engine.cache.n_slots == 4
+    assert "sync" in w.status_engine.text()
+    w.send("again", session_id=sid)
+    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    roles = [m.role for m in w.store.messages(sid)]
+    assert roles == ["user", "assistant", "user", "assistant"]
+    # A bad setting is refused with an error, the running engine stays.
+    service = w.bridge.service
+    w.apply_settings({**w.settings, "cache": "lots"})
+    assert w.error_box is not None and "cache size" in w.error_box.text()
+    assert w.bridge.service is service
+    close_window(w)
+
+
+def test_corrupt_model_shows_an_error_and_the_app_stays_usable(
+    qtbot, env: Path, tmp_path: Path
+) -> None:
+    w = open_window(qtbot, settings_for(env, max_tokens=4))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    manager = w.open_model_manager()
+    rows = manager.table.rowCount()
+    assert manager.add_path(bad) is False
+    assert manager.error_box is not None and manager.error_box.isVisible()
+    assert "broken.gguf" in manager.error_box.text()
+    assert manager.table.rowCount() == rows
+    assert manager.add_path(env) is True
+    assert str(env) in manager.paths()
+    manager.error_box.close()
+    manager.close()
+    w.send("still there?")
+    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    assert w.store.messages(w.current_id)[-1].status == "done"
+    close_window(w)
+
+
+def test_restart_restores_sessions_and_messages(qtbot, env: Path) -> None:
+    w = open_window(qtbot, settings_for(env, max_tokens=5))
+    a = w.new_session("chat")
+    w.send("remember me", session_id=a)
+    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    w.rename_session(a, "Kept")
+    b = w.new_session("agent")
+    reply = w.store.messages(a)[-1].content
+    close_window(w)
+
+    w2 = open_window(qtbot)  # settings come from the database this time
+    assert w2.settings["model"] == str(env)
+    assert sorted(w2.sessions.titles()) == sorted(["Kept", "New agent session"])
+    w2.sessions.select(a)
+    assert [m["content"] for m in w2.messages[a]] == ["remember me", reply]
+    assert w2.view.shown_markdown.endswith(reply)
+    assert w2.store.session(b).kind == "agent"
+    w2.sessions.search.setText("kep")
+    assert w2.sessions.titles() == ["Kept"]
+    out = w2.export_session(a, str(env.parent / "kept.md"))
+    assert "remember me" in out.read_text()
+    close_window(w2)
+
+
+def test_compare_view_runs_policies_side_by_side_and_reopens(qtbot, env: Path) -> None:
+    w = open_window(qtbot, settings_for(env))
+    view = w.open_compare()
+    for p, box in view.policy_boxes.items():
+        box.setChecked(p in ("bevy", "sync"))
+    view.requests.setValue(3)
+    view.tokens.setValue(6)
+    with qtbot.waitSignal(w.bridge.compare_done, timeout=120_000):
+        assert view.run()
+    assert view.table.rowCount() == 2
+    assert {view.table.item(r, 0).text() for r in range(2)} == {"bevy", "sync"}
+    assert all(view.table.item(r, 6).text() == "yes" for r in range(2))  # exact tokens
+    assert all(r["lanes"]["compute"] for r in view.records)
+    qtbot.wait(100)
+    ARTIFACTS.mkdir(exist_ok=True)
+    assert view.grab().save(str(ARTIFACTS / "compare_view.png"))
+    assert view.saved.count() == 1
+    records = view.records
+    view.show_records([])
+    view._open_saved(view.saved.item(0))
+    assert [r["policy"] for r in view.records] == [r["policy"] for r in records]
+    close_window(w)
+
+
+def test_api_toggle_serves_the_apps_own_engine(qtbot, env: Path) -> None:
+    import threading
+
+    import httpx
+
+    w = open_window(qtbot, settings_for(env, max_tokens=200))
+    w.apply_settings({**w.settings, "api_enabled": True, "api_port": 0})
+    qtbot.waitUntil(lambda: w.status_api.text().startswith("API: http"), timeout=30_000)
+    url = w.status_api.text().removeprefix("API: ")
+    sid = w.new_session("chat")
+    w.send("from the app", session_id=sid)
+    qtbot.waitUntil(lambda: w.replies[sid].tokens > 0, timeout=60_000)
+    result: dict = {}
+
+    def client() -> None:
+        body = {
+            "messages": [{"role": "user", "content": "from the API"}],
+            "max_tokens": 6,
+            "temperature": 0,
+        }
+        result["stats"] = httpx.get(f"{url}/stats", timeout=30).json()
+        result["reply"] = httpx.post(f"{url}/chat/completions", json=body, timeout=120)
+
+    t = threading.Thread(target=client)
+    t.start()
+    qtbot.waitUntil(lambda: "reply" in result, timeout=120_000)
+    t.join()
+    assert result["reply"].status_code == 200
+    assert result["reply"].json()["usage"]["completion_tokens"] == 6
+    # One engine: the API saw the app's reply in flight on it.
+    assert any(r["session"] == "from the app" for r in result["stats"]["requests"])
+    w.stop(sid)
+    qtbot.waitUntil(lambda: not w.replies, timeout=30_000)
+    w.apply_settings({**w.settings, "api_enabled": False})
+    assert w.status_api.text() == ""
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/stats", timeout=5)
+    close_window(w)
