@@ -36,6 +36,7 @@ from app.widgets.sessions import SessionList
 from backend.messages import Finished, MetricsSnapshot
 
 RENDER_INTERVAL_MS = 66  # a streaming reply re-renders at most ~15 times a second
+PANEL_STAGGER_MS = 20
 
 
 @dataclass
@@ -67,6 +68,7 @@ class MainWindow(QMainWindow):
         self.error_box: QMessageBox | None = None
         self._dirty: set[int] = set()
         self._load_dialog: QProgressDialog | None = None
+        self._latest: MetricsSnapshot | None = None
 
         self.sessions = SessionList()
         self.view = ConversationView()
@@ -112,7 +114,9 @@ class MainWindow(QMainWindow):
             dock.setWidget(self.panels[name])
             self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
             self.docks[name] = dock
-        self.resizeDocks(list(self.docks.values()), [640] * 4, Qt.Orientation.Horizontal)
+        docks = list(self.docks.values())
+        self.resizeDocks(docks, [640] * 4, Qt.Orientation.Horizontal)
+        self.resizeDocks(docks, [190, 210, 230, 190], Qt.Orientation.Vertical)
         self.compare = CompareView(self.bridge, self.store)
 
         self.status_model = QLabel()
@@ -245,9 +249,17 @@ class MainWindow(QMainWindow):
             )
 
     def _on_metrics(self, snap: MetricsSnapshot) -> None:
-        for panel in self.panels.values():  # RequestProgress.session carries session titles
-            panel.update_snapshot(snap)
+        # Panels take turns, PANEL_STAGGER_MS apart: redrawing all four plots in one paint
+        # pass held the GUI thread for up to ~50 ms; one at a time each pass stays short.
+        # Each panel still refreshes at the throttle's rate, with the newest snapshot.
+        self._latest = snap
         self._update_status(snap)
+        for i, panel in enumerate(self.panels.values()):
+            QTimer.singleShot(i * PANEL_STAGGER_MS, self, lambda p=panel: self._feed(p))
+
+    def _feed(self, panel) -> None:
+        if self._latest is not None and panel.isVisible():
+            panel.update_snapshot(self._latest)
 
     # --- sessions -----------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from backend.service import EngineService
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 PROMPTS = ["Tell me about rivers.", "Write a haiku on caches.", "What is 12 times 7?"]
-TOKENS = 40
+TOKENS = 120
 
 
 @pytest.fixture
@@ -121,11 +121,17 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
     qtbot.waitUntil(lambda: not w.replies, timeout=120_000)
     ticker.stop()
     worst = max(gaps)
-    (ARTIFACTS / "gui_latency.txt").write_text(
-        f"GUI timer (5 ms) worst gap while 3 sessions streamed: {worst} ms over {len(gaps)} ticks\n"
+    over = sum(g > 50 for g in gaps)
+    p99 = sorted(gaps)[int(0.99 * (len(gaps) - 1))]
+    report = (
+        f"GUI timer (5 ms) while 3 sessions streamed: {len(gaps)} ticks, "
+        f"p99 gap {p99} ms, worst {worst} ms, gaps over 50 ms: {over}"
     )
-    print(f"worst GUI stall {worst} ms")
-    assert worst < 250  # the target is 50 ms; the bound leaves room for a loaded CI box
+    (ARTIFACTS / "gui_latency.txt").write_text(report + "\n")
+    print(report)
+    # Target: no stall over 50 ms (18-25 ms measured on an idle 2-core box); the bounds leave
+    # room for a busy CI machine while still catching real blocking work on the GUI thread.
+    assert p99 <= 50 and worst < 100
     # All three were generating at the same time: every first token came before any finish.
     assert max(first_token.values()) < min(finished_at)
 
