@@ -102,6 +102,7 @@ class Engine:
             self.slots = self.store.alloc_slots(n_slots)
         self.slot_bytes = slot_bytes
         self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._warm_up_decoders()
         self.telemetry = Telemetry()
         # Stored slots keep a bounded set of recently decoded experts (see JobRunner).
         working_set = 0
@@ -136,6 +137,24 @@ class Engine:
         self._thread: threading.Thread | None = None
         # Tests set this to a dict to receive every request's logits (exactness checks).
         self.logits_log: dict[str, list[torch.Tensor]] | None = None
+
+    def _warm_up_decoders(self) -> None:
+        """Compile the fused expert decoders now (seconds, once per shape) rather than
+        while the first request waits for its first token."""
+        from backend.formats import fastquant
+        from backend.formats.quants import block_shape
+
+        if self.model.transformer.device.type != "cpu":
+            return
+        shapes = {
+            (p.qtype, p.nbytes // block_shape(p.qtype)[1], block_shape(p.qtype)[1])
+            for layer in self.model.experts
+            for ref in layer[:1]
+            for p in ref.parts
+            if p.qtype in fastquant.KERNELS
+        }
+        for qtype, n_blocks, block_bytes in shapes:
+            fastquant.warm_up(qtype, n_blocks, block_bytes)
 
     # --- public API (any thread) --------------------------------------------------------
 

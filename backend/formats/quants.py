@@ -35,6 +35,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from backend.formats import fastquant
+
 __all__ = ["SUPPORTED", "QType", "block_shape", "dequantize", "tensor_nbytes"]
 
 # Listed in the order error messages name them.
@@ -286,5 +288,8 @@ def dequantize(
         return _reinterpret(flat, float_dtype).view(shape).to(dtype)
 
     _, block_bytes = block_shape(qtype)
-    values = _DECODERS[qtype](flat.view(-1, block_bytes))
+    blocks = flat.view(-1, block_bytes)
+    values = fastquant.decode(qtype, blocks)
+    if values is None:
+        values = _DECODERS[qtype](blocks)
     return values.view(shape).to(dtype)
