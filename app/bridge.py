@@ -9,10 +9,11 @@ up (a reload stops the replies in flight, which the window saves as stopped).
 
 from __future__ import annotations
 
+import gc
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from app.throttle import Throttle
 from backend.config import EngineConfig, SamplingParams
@@ -24,15 +25,18 @@ class Bridge(QObject):
     finished = Signal(object)  # Finished
     failed = Signal(str, str)  # request id, message
     metrics = Signal(object)  # MetricsSnapshot, at most ~10 Hz
-    state_changed = Signal(str, str)  # "loading" | "ready" | "error" | "stopped", detail
+    # "loading" | "ready" | "error" (load failed) | "failed" (engine died) | "stopped", detail
+    state_changed = Signal(str, str)
     load_progress = Signal(int, int)  # done, total
     compare_log = Signal(str)
     compare_done = Signal(object, str)  # records (list[dict]) or None, error message
     api_changed = Signal(str)  # URL being served, or "" when stopped
+    api_error = Signal(str)  # the API could not start after a load (port in use, ...)
 
     _event = Signal(object)  # from the dispatcher thread; queued to the GUI thread
     _snapshot = Signal(object)  # likewise: the throttle's timer lives on the GUI thread
-    _loaded = Signal(object, object, str)  # service or None, config, error
+    _loaded = Signal(int, object, object, str)  # load generation, service or None, config, error
+    _engine_died = Signal(str)
     _progress = Signal(int, int)
     _compared = Signal(object, str)
     _logged = Signal(str)
@@ -48,11 +52,17 @@ class Bridge(QObject):
         self._api_wanted: tuple[str, int, str | None] | None = None
         self._unsubscribe = None
         self._loader: threading.Thread | None = None
+        self._generation = 0  # bumped per load: results of superseded loads are discarded
+        self._next_load: tuple | None = None  # asked for while a load was running
+        self._closing = False
         self._throttle = Throttle(interval_ms=100, parent=self)
         self._throttle.delivered.connect(self.metrics)
-        self._event.connect(self._on_event)
+        # Queued even when emitted on the GUI thread (a refused submit answers at once):
+        # the window registers a request id after submit() returns, then sees its events.
+        self._event.connect(self._on_event, Qt.ConnectionType.QueuedConnection)
         self._snapshot.connect(self._throttle.push)
         self._loaded.connect(self._on_loaded)
+        self._engine_died.connect(self._on_engine_died)
         self._progress.connect(self.load_progress)
         self._compared.connect(self.compare_done)
         self._logged.connect(self.compare_log)
@@ -68,26 +78,39 @@ class Bridge(QObject):
         return self.service.model_name if self.service is not None else ""
 
     def load(self, model_path: str | Path | None, config: EngineConfig) -> None:
-        """(Re)start the engine on ``model_path`` (None: the demo MoE) in the background."""
+        """(Re)start the engine on ``model_path`` (None: the demo MoE) in the background.
+        Asked again while loading, the newest request runs once the current load ends."""
         if self._loader is not None and self._loader.is_alive():
+            self._next_load = (model_path, config)
             return
+        self._generation += 1
         old, self.service = self.service, None
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
         self._stop_api_server()
+        # Objects frozen when the old engine came up (see _on_loaded) must become
+        # collectable again, or its weights and slots stay in memory for good.
+        gc.unfreeze()
         self._set_state("loading", str(model_path or "demo MoE"))
+        holder = [old] if old is not None else []  # the worker drops the last reference
         self._loader = threading.Thread(
-            target=self._load_worker, args=(old, model_path, config), daemon=True
+            target=self._load_worker,
+            args=(self._generation, holder, model_path, config),
+            name="bevy-load",
+            daemon=True,
         )
         self._loader.start()
 
-    def _load_worker(self, old, model_path: str | Path | None, config: EngineConfig) -> None:
+    def _load_worker(
+        self, generation: int, holder: list, model_path: str | Path | None, config: EngineConfig
+    ) -> None:
         from backend.service import EngineService, resolve_device
 
         try:
-            if old is not None:
-                old.close()  # in-flight replies end with Finished(abort) / ErrorEvent
+            if holder:
+                holder.pop().close()  # in-flight replies end with Finished(abort) / ErrorEvent
+                gc.collect()  # free the old model before the new one loads beside it
             if model_path is None:
                 from backend.demo import ensure_demo
 
@@ -95,34 +118,55 @@ class Bridge(QObject):
             resolved = EngineConfig(**{**vars(config), "device": resolve_device(config.device)})
             service = EngineService.open(model_path, resolved, progress=self._progress.emit)
         except Exception as exc:  # any failure is shown in the window, never a crash
-            self._loaded.emit(None, config, f"{exc}")
+            self._loaded.emit(generation, None, config, f"{exc}")
             return
-        self._loaded.emit(service, resolved, "")
+        if self._closing:  # the app quit while this model loaded
+            service.close()
+            return
+        self._loaded.emit(generation, service, resolved, "")
 
-    @Slot(object, object, str)
-    def _on_loaded(self, service, config: EngineConfig, error: str) -> None:
+    @Slot(int, object, object, str)
+    def _on_loaded(self, generation: int, service, config: EngineConfig, error: str) -> None:
+        if self._closing or generation != self._generation:
+            if service is not None:
+                service.close()
+            return
         if service is None:
             self._set_state("error", error)
-            return
-        self.service, self.config, self.model_path = service, config, service.model.path
-        self._unsubscribe = service.subscribe_metrics(self._snapshot.emit)
-        if self._api_wanted is not None:
-            self._start_api_server(*self._api_wanted)
-        self._set_state("ready", service.model_name)
+        else:
+            self.service, self.config, self.model_path = service, config, service.model.path
+            self._unsubscribe = service.subscribe_metrics(self._snapshot.emit)
+            service.on_failure(self._engine_died.emit)
+            # Everything alive now (torch, Qt wrappers, the model) lives until the next
+            # load; a full collection walking it took 70-260 ms with the GIL held.
+            gc.freeze()
+            if self._api_wanted is not None:
+                err = self._start_api_server(*self._api_wanted)
+                if err:
+                    self.api_error.emit(err)
+            self._set_state("ready", service.model_name)
+        if self._next_load is not None:
+            nxt, self._next_load = self._next_load, None
+            self.load(*nxt)
+
+    @Slot(str)
+    def _on_engine_died(self, message: str) -> None:
+        dead, self.service = self.service, None
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self._stop_api_server()
+        if dead is not None:
+            threading.Thread(target=dead.close, name="bevy-close", daemon=True).start()
+        self._set_state("failed", message)
 
     def _set_state(self, state: str, detail: str) -> None:
         self.state, self.detail = state, detail
         self.state_changed.emit(state, detail)
 
-    def wait_loaded(self, timeout: float = 120.0) -> bool:
-        """Block until a pending load finished (tests and the headless path)."""
-        if self._loader is not None:
-            self._loader.join(timeout)
-        return self._loader is None or not self._loader.is_alive()
-
     def shutdown(self) -> None:
-        if self._loader is not None:
-            self._loader.join(60)
+        """Stop everything (app exit). A model still loading is closed by its worker."""
+        self._closing = True
         self._stop_api_server()
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -192,14 +236,20 @@ class Bridge(QObject):
 
     # --- the local OpenAI-compatible API ------------------------------------------------
 
+    def configure_api(
+        self, enabled: bool, host: str = "127.0.0.1", port: int = 8080, key: str = ""
+    ) -> None:
+        """What to serve once an engine is up; takes effect at the next load."""
+        self._api_wanted = (host, port, key or None) if enabled else None
+
     def set_api(
         self, enabled: bool, host: str = "127.0.0.1", port: int = 8080, key: str = ""
     ) -> str:
-        """Serve this engine over HTTP (same cache as the app's sessions). Returns an error."""
-        self._api_wanted = (host, port, key or None) if enabled else None
+        """Serve this engine over HTTP now (same cache as the app's sessions); "" or an error."""
+        self.configure_api(enabled, host, port, key)
         self._stop_api_server()
-        if enabled and self.service is not None:
-            return self._start_api_server(host, port, key or None)
+        if self._api_wanted is not None and self.service is not None:
+            return self._start_api_server(*self._api_wanted)
         return ""
 
     def _start_api_server(self, host: str, port: int, key: str | None) -> str:

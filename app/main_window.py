@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ class Reply:
 
     session_id: int
     message_id: int
+    history: list[dict]  # what the model is asked to continue
     request_id: str | None = None  # None while waiting for the engine to load
     chunks: list[str] = field(default_factory=list)
     tokens: int = 0
@@ -144,6 +144,7 @@ class MainWindow(QMainWindow):
         self.bridge.state_changed.connect(self._on_state)
         self.bridge.load_progress.connect(self._on_load_progress)
         self.bridge.api_changed.connect(self._on_api)
+        self.bridge.api_error.connect(lambda err: self.show_error("The API could not start", err))
         self._render_timer = QTimer(self)
         self._render_timer.setInterval(RENDER_INTERVAL_MS)
         self._render_timer.timeout.connect(self._render_dirty)
@@ -186,7 +187,7 @@ class MainWindow(QMainWindow):
         except ValueError as exc:
             self.show_error("Invalid engine settings", str(exc))
             return
-        self.bridge.set_api(
+        self.bridge.configure_api(
             self.settings["api_enabled"],
             port=self.settings["api_port"],
             key=self.settings["api_key"],
@@ -211,11 +212,12 @@ class MainWindow(QMainWindow):
                 self._load_dialog = None
             if state == "error":
                 self.show_error("The model could not be loaded", detail)
+            elif state == "failed":
+                self.show_error(
+                    "The engine stopped",
+                    f"{detail}\n\nConversations are saved; Model → Settings → OK restarts it.",
+                )
             elif state == "ready":
-                # A full collection walks every object (torch, Qt wrappers, the model's
-                # Python objects): 70-260 ms with the GIL held, a visible freeze. Objects that
-                # exist once a model is up live for the whole run, so take them out of it.
-                gc.freeze()
                 self._submit_queued()
         self._update_status()
 
@@ -237,9 +239,11 @@ class MainWindow(QMainWindow):
             )
         else:
             self.status_model.setText(
-                {"loading": "Loading model…", "error": "No model (load failed)"}.get(
-                    b.state, "No model"
-                )
+                {
+                    "loading": "Loading model…",
+                    "error": "No model (load failed)",
+                    "failed": "Engine stopped",
+                }.get(b.state, "No model")
             )
             self.status_engine.setText(f"{s['device']} · {s['storage']} · policy {s['policy']}")
         if snap is not None:
@@ -303,8 +307,11 @@ class MainWindow(QMainWindow):
             self.show_session(session_id)
 
     def delete_session(self, session_id: int) -> None:
-        if session_id in self.replies:
-            self.stop(session_id)
+        reply = self.replies.pop(session_id, None)
+        # Forget the reply now: tokens already queued for it have nowhere to go.
+        if reply is not None and reply.request_id is not None:
+            self.by_request.pop(reply.request_id, None)
+            self.bridge.abort(reply.request_id)
         self.store.delete_session(session_id)
         self.messages.pop(session_id, None)
         self.sessions.remove(session_id)
@@ -367,15 +374,15 @@ class MainWindow(QMainWindow):
         shown = self.messages.setdefault(sid, [])
         shown.append({"role": "user", "content": text, "status": "done"})
         shown.append({"role": "assistant", "content": "", "status": "streaming"})
-        reply = Reply(sid, msg.id)
+        reply = Reply(sid, msg.id, history)
         self.replies[sid] = reply
         self.sessions.set_busy(sid, True)
-        self._submit(reply, history)
+        self._submit(reply)
         self._dirty.add(sid)
         if sid == self.current_id:
             self.stop_button.setEnabled(True)
 
-    def _submit(self, reply: Reply, history: list[dict] | None = None) -> None:
+    def _submit(self, reply: Reply) -> None:
         if not self.bridge.ready:
             if self.bridge.state not in ("loading",):
                 self._end_reply(reply, "error", "No model is loaded: open Model → Settings.")
@@ -386,9 +393,7 @@ class MainWindow(QMainWindow):
         except ValueError as exc:
             self._end_reply(reply, "error", f"Invalid sampling settings: {exc}")
             return
-        if history is None:
-            history = self.store.history(reply.session_id)[:-1]  # without the empty reply
-        rid = self.bridge.submit(history, params, session=s.title)
+        rid = self.bridge.submit(reply.history, params, session=s.title)
         reply.request_id = rid
         self.by_request[rid] = reply
 
@@ -433,8 +438,6 @@ class MainWindow(QMainWindow):
         reply = self.by_request.get(request_id)
         if reply is not None:
             self._end_reply(reply, "error", message)
-        elif not request_id:
-            self.show_error("The engine stopped", message)
 
     def _end_reply(
         self,

@@ -166,15 +166,9 @@ def _sampling(args: argparse.Namespace):
 
 def _load(args: argparse.Namespace):
     from backend.demo import ensure_demo
-    from backend.models.loader import load_model
+    from backend.service import open_model
 
-    path = args.model if args.model is not None else ensure_demo()
-    model = load_model(path, device=args.device)
-    if model.tokenizer is None:
-        raise BevyError(
-            f"{path}: the model has no tokenizer (GGUF tokenizer metadata or tokenizer.json)"
-        )
-    return model
+    return open_model(args.model if args.model is not None else ensure_demo(), args.device)
 
 
 def _messages(args: argparse.Namespace, history: list[dict]) -> list[dict]:

@@ -95,6 +95,8 @@ class _GenerationRequest(BaseModel):
         """Engine sampling settings; fields left unset take Bevy's defaults."""
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ApiError(400, "seed must fit in 64 bits", param="seed")
+        # llama.cpp and its clients send -1 (any negative seed) for "random".
+        seed = self.seed if self.seed is not None and self.seed >= 0 else None
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -102,7 +104,7 @@ class _GenerationRequest(BaseModel):
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "max_tokens": max_tokens,
-            "seed": self.seed,
+            "seed": seed,
         }
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
@@ -139,8 +141,15 @@ class ChatCompletionRequest(_GenerationRequest):
         )
 
     def chat_tools(self) -> list[dict] | None:
-        """Tools for the chat template. The model cannot be forced to call one, so
-        ``tool_choice`` only decides whether it sees them ("none" hides them)."""
+        """Tools for the chat template. Replies come back as text (tool calls are not parsed
+        into ``tool_calls``) and a model cannot be forced to call one, so ``tool_choice``
+        other than "auto" / "none" (which hides the tools) is refused rather than ignored."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ApiError(
+                400,
+                "tool_choice must be 'auto' or 'none': forcing a tool call is not supported",
+                param="tool_choice",
+            )
         return None if self.tool_choice == "none" else self.tools
 
     def chat_messages(self) -> list[dict]:

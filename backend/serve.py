@@ -433,7 +433,8 @@ class ApiServer:
         for name, kind, attr, help_ in _METRICS:
             if attr in values:
                 out.append(f"# HELP bevy_{name} {help_}\n# TYPE bevy_{name} {kind}")
-                out.append(f"bevy_{name} {values[attr]:g}")
+                v = values[attr]  # integers in full: rate() over counters needs every digit
+                out.append(f"bevy_{name} {v if isinstance(v, int) else repr(float(v))}")
         out.append("# HELP bevy_api_requests_total HTTP requests by endpoint and status.")
         out.append("# TYPE bevy_api_requests_total counter")
         out.extend(

@@ -10,6 +10,7 @@ dispatcher thread: they must hand events on (queue, Qt signal) and return quickl
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -25,6 +26,7 @@ Listener = Callable[[Event], None]
 MetricsListener = Callable[[MetricsSnapshot], None]
 
 _STOP = object()
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> str:
@@ -60,6 +62,7 @@ class EngineService:
         self._lock = threading.Lock()
         self._listeners: dict[str, Listener] = {}
         self._metrics: list[MetricsListener] = []
+        self._failure_listeners: list[Callable[[str], None]] = []
         self._ids = itertools.count(1)
         self.latest: MetricsSnapshot | None = None
         self.failure: str | None = None  # set when the engine thread itself died
@@ -80,15 +83,19 @@ class EngineService:
         return f"{prefix}-{next(self._ids)}"
 
     def submit(self, msg: Submit, listener: Listener) -> None:
+        """Queue a request; ``listener`` gets its events. A request refused here (engine
+        down, id in use) gets its ErrorEvent on the calling thread, before this returns."""
+        refusal = None
         with self._lock:
             if self._closed or self.failure:
-                reason = self.failure or "the engine is shut down"
-                listener(ErrorEvent(msg.request_id, reason))
-                return
-            if msg.request_id in self._listeners:
-                listener(ErrorEvent(msg.request_id, f"request id {msg.request_id!r} is in use"))
-                return
-            self._listeners[msg.request_id] = listener
+                refusal = self.failure or "the engine is shut down"
+            elif msg.request_id in self._listeners:
+                refusal = f"request id {msg.request_id!r} is in use"
+            else:
+                self._listeners[msg.request_id] = listener
+        if refusal is not None:  # outside the lock: the listener may call back into us
+            listener(ErrorEvent(msg.request_id, refusal))
+            return
         self.engine.submit(msg)
 
     def abort(self, request_id: str) -> None:
@@ -145,6 +152,11 @@ class EngineService:
 
     # --- dispatch -----------------------------------------------------------------------
 
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener`` with the reason if the engine thread itself dies."""
+        with self._lock:
+            self._failure_listeners.append(listener)
+
     def _dispatch(self) -> None:
         events = self.engine.events
         while True:
@@ -156,24 +168,26 @@ class EngineService:
                 with self._lock:
                     targets = list(self._metrics)
                 for m in targets:
-                    m(ev)
-                continue
-            rid = getattr(ev, "request_id", None)
-            if rid is None:  # the engine failed: every open request ends with its error
-                self._fail_all(getattr(ev, "message", "engine failed"))
-                continue
-            terminal = isinstance(ev, Finished | ErrorEvent)
-            with self._lock:
-                listener = self._listeners.pop(rid, None) if terminal else self._listeners.get(rid)
-            if listener is not None:
-                listener(ev)
+                    _call(m, ev)
+            elif isinstance(ev, ErrorEvent) and ev.request_id is None:
+                self._fail_all(ev.message)  # the engine died: every open request ends
+            else:
+                terminal = isinstance(ev, Finished | ErrorEvent)
+                with self._lock:
+                    pop = self._listeners.pop if terminal else self._listeners.get
+                    listener = pop(ev.request_id, None)
+                if listener is not None:
+                    _call(listener, ev)
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
             self.failure = message
             listeners, self._listeners = self._listeners, {}
+            failure_listeners = list(self._failure_listeners)
         for rid, listener in listeners.items():
-            listener(ErrorEvent(rid, message))
+            _call(listener, ErrorEvent(rid, message))
+        for f in failure_listeners:
+            _call(f, message)
 
     # --- lifetime -----------------------------------------------------------------------
 
@@ -189,7 +203,15 @@ class EngineService:
         with self._lock:
             listeners, self._listeners = self._listeners, {}
         for rid, listener in listeners.items():  # queued Submits the engine never saw
-            listener(ErrorEvent(rid, "the engine is shut down"))
+            _call(listener, ErrorEvent(rid, "the engine is shut down"))
+
+
+def _call(listener: Callable, arg: object) -> None:
+    """One client's broken listener must not stop the events of all the others."""
+    try:
+        listener(arg)
+    except Exception:
+        log.exception("an engine event listener failed")
 
 
 def collect(service: EngineService, msg: Submit, timeout: float = 600.0) -> list[Event]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent, QTextCursor
+from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QPlainTextEdit, QTextBrowser, QWidget
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool"}
@@ -80,7 +80,3 @@ class InputBox(QPlainTextEdit):
             self.stop_requested.emit()
             return
         super().keyPressEvent(event)
-
-    def append_text(self, text: str) -> None:
-        self.moveCursor(QTextCursor.MoveOperation.End)
-        self.insertPlainText(text)

@@ -304,3 +304,69 @@ def test_api_toggle_serves_the_apps_own_engine(qtbot, env: Path) -> None:
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/stats", timeout=5)
     close_window(w)
+
+
+def test_message_sent_while_loading_is_answered_once_ready(qtbot, env: Path) -> None:
+    store = Store()
+    store.set_setting("app", settings_for(env, max_tokens=8))
+    w = MainWindow(store)
+    qtbot.addWidget(w)
+    w.show()
+    w.start_engine()
+    assert not w.bridge.ready
+    w.send("asked during loading")  # queued until the engine is up
+    qtbot.waitUntil(lambda: w.bridge.ready and not w.replies, timeout=60_000)
+    sid = w.current_id
+    history = w.store.history(sid)[:-1]
+    assert history[-1] == {"role": "user", "content": "asked during loading"}
+    expected = reference_replies(env, [history], 8)[0]
+    assert w.store.messages(sid)[-1].content == expected
+    close_window(w)
+
+
+# The engine thread re-raises after reporting, so its traceback reaches stderr (expected).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_engine_failure_ends_replies_and_a_restart_recovers(qtbot, env: Path) -> None:
+    w = open_window(qtbot, settings_for(env, max_tokens=2000))
+    sid = w.new_session("chat")
+    w.send("keep going", session_id=sid)
+    qtbot.waitUntil(lambda: w.replies[sid].tokens > 0, timeout=60_000)
+    engine = w.bridge.service.engine
+
+    def broken_step(block: bool = False) -> bool:
+        raise RuntimeError("simulated kernel failure")
+
+    engine.step = broken_step  # fault injection on the real engine thread
+    qtbot.waitUntil(lambda: w.bridge.state == "failed", timeout=30_000)
+    qtbot.waitUntil(lambda: not w.replies, timeout=30_000)
+    last = w.store.messages(sid)[-1]
+    assert last.status == "error" and "simulated kernel failure" in last.content
+    assert w.error_box is not None and "simulated kernel failure" in w.error_box.text()
+    w.send("and now?", session_id=sid)  # no engine: a clear error, not a reply stuck forever
+    assert not w.replies and "No model is loaded" in w.store.messages(sid)[-1].content
+    w.error_box.close()
+    w.apply_settings(w.settings)  # Settings -> OK restarts the engine
+    qtbot.waitUntil(lambda: w.bridge.ready, timeout=60_000)
+    w.send("back?", session_id=sid)
+    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    assert w.store.messages(sid)[-1].status == "done"
+    close_window(w)
+
+
+def test_reload_frees_the_old_engine_and_delete_mid_stream_is_clean(qtbot, env: Path) -> None:
+    import gc
+    import weakref
+
+    w = open_window(qtbot, settings_for(env, max_tokens=3000))
+    sid = w.new_session("chat")
+    w.send("stream for a while", session_id=sid)
+    qtbot.waitUntil(lambda: w.replies[sid].tokens > 3, timeout=60_000)
+    w.delete_session(sid)  # tokens still queued for it must go nowhere, quietly
+    qtbot.wait(200)
+    assert sid not in [s.id for s in w.store.list_sessions()] and not w.replies
+    old = weakref.ref(w.bridge.service.engine)
+    w.apply_settings({**w.settings, "cache": "6"})
+    qtbot.waitUntil(lambda: w.bridge.ready, timeout=60_000)
+    gc.collect()
+    assert old() is None  # the previous engine (and its model and slots) was freed
+    close_window(w)

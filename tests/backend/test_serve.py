@@ -195,6 +195,15 @@ def test_bad_requests_get_clear_4xx_errors(client: openai.OpenAI, server: str) -
     with pytest.raises(openai.BadRequestError) as exc:
         _chat(client, n=2)
     assert exc.value.param == "n"
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        _chat(client, tools=[tool], tool_choice="required")
+    assert exc.value.param == "tool_choice"
+
+
+def test_negative_seed_means_random_as_in_llama_cpp(client: openai.OpenAI) -> None:
+    reply = _chat(client, seed=-1, temperature=0.8)
+    assert reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_disconnect_mid_stream_aborts_and_releases_pins(server: str) -> None:

@@ -85,3 +85,12 @@ def test_bad_request_and_duplicate_id_fail_alone(service: EngineService) -> None
         pass
     ok = collect(service, Submit("after", GREEDY, messages=_chat("still serving?")))
     assert isinstance(ok[-1], Finished)
+
+
+def test_a_broken_listener_does_not_stop_the_others(service: EngineService) -> None:
+    def broken(_ev) -> None:
+        raise RuntimeError("client bug")
+
+    service.submit(Submit("broken", GREEDY, messages=_chat("x")), broken)
+    ok = collect(service, Submit("fine", GREEDY, messages=_chat("y")))
+    assert isinstance(ok[-1], Finished) and ok[-1].completion_tokens == 6
