@@ -339,14 +339,19 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"Exported to {out}", 5000)
         return out
 
-    def edit_session_settings(self) -> None:
+    def edit_session_settings(self) -> SessionSettingsDialog | None:
         sid = self.current_id
         if sid is None:
-            return
+            return None
         dialog = SessionSettingsDialog(self.store.session(sid), self.settings, self)
-        if dialog.exec():
+
+        def save() -> None:
             prompt, overrides = dialog.values()
             self.store.update_session(sid, system_prompt=prompt, sampling=overrides)
+
+        dialog.accepted.connect(save)
+        dialog.open()  # not exec(): other sessions keep streaming while it is open
+        return dialog
 
     # --- sending and streaming ----------------------------------------------------------
 

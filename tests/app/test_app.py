@@ -370,3 +370,21 @@ def test_reload_frees_the_old_engine_and_delete_mid_stream_is_clean(qtbot, env: 
     gc.collect()
     assert old() is None  # the previous engine (and its model and slots) was freed
     close_window(w)
+
+
+def test_session_system_prompt_and_sampling_reach_the_engine(qtbot, env: Path) -> None:
+    w = open_window(qtbot, settings_for(env, max_tokens=50))
+    sid = w.new_session("chat")
+    dialog = w.edit_session_settings()
+    dialog.prompt.setPlainText("Answer in one word.")
+    dialog.overrides["max_tokens"].setChecked(True)
+    dialog.fields["max_tokens"].setValue(3)
+    dialog.accept()
+    s = w.store.session(sid)
+    assert s.system_prompt == "Answer in one word." and s.sampling == {"max_tokens": 3}
+    w.send("Name a colour.", session_id=sid)
+    reply = w.replies[sid]
+    assert reply.history[0] == {"role": "system", "content": "Answer in one word."}
+    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    assert w.store.messages(sid)[-1].completion_tokens <= 3  # the session's own limit
+    close_window(w)
