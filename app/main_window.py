@@ -187,12 +187,13 @@ class MainWindow(QMainWindow):
         except ValueError as exc:
             self.show_error("Invalid engine settings", str(exc))
             return
-        self.bridge.configure_api(
-            self.settings["api_enabled"],
-            port=self.settings["api_port"],
-            key=self.settings["api_key"],
-        )
+        self.bridge.configure_api(*self._api_settings())
         self.bridge.load(self.settings["model"] or None, config)
+
+    def _api_settings(self) -> tuple[bool, str, int, str]:
+        """The local API as settings ask for it: enabled, host (loopback), port, key."""
+        s = self.settings
+        return s["api_enabled"], "127.0.0.1", s["api_port"], s["api_key"]
 
     def _on_state(self, state: str, detail: str) -> None:
         if state == "loading":
@@ -505,11 +506,7 @@ class MainWindow(QMainWindow):
         if any(old[k] != self.settings[k] for k in ENGINE_KEYS) or not self.bridge.ready:
             self.start_engine()
         else:
-            err = self.bridge.set_api(
-                self.settings["api_enabled"],
-                port=self.settings["api_port"],
-                key=self.settings["api_key"],
-            )
+            err = self.bridge.set_api(*self._api_settings())
             if err:
                 self.show_error("The API could not start", err)
         self._update_status()

@@ -11,6 +11,11 @@ from backend.models.loader import inspect_model
 from backend.paths import models_dir
 
 
+def format_size(n: int) -> str:
+    """A model's size for listings: GiB above one GiB, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     name: str

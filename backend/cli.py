@@ -41,18 +41,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache", default="0.3", help="expert cache: fraction, count or size")
+def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", choices=("ssd", "host"), default="ssd")
     p.add_argument("--eviction", choices=("lru", "lfu"), default="lfu")
-    p.add_argument("--policy", default="bevy", help="scheduling policy")
-    p.add_argument("--max-active", type=int, default=16, help="requests running at once")
     p.add_argument(
         "--slot-format",
         choices=("auto", "stored", "decoded"),
         default="auto",
         help="what a cache slot holds",
     )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache", default="0.3", help="expert cache: fraction, count or size")
+    p.add_argument("--policy", default="bevy", help="scheduling policy")
+    p.add_argument("--max-active", type=int, default=16, help="requests running at once")
+    _add_store_args(p)
 
 
 def _engine_config(args: argparse.Namespace):
@@ -98,15 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache", default="0.3", help="cache fractions of all experts, comma-separated"
     )
     bench.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
-    bench.add_argument("--storage", choices=("ssd", "host"), default="ssd")
-    bench.add_argument("--eviction", choices=("lru", "lfu"), default="lfu")
     bench.add_argument("--repeats", type=int, default=1)
-    bench.add_argument(
-        "--slot-format",
-        choices=("auto", "stored", "decoded"),
-        default="auto",
-        help="what a cache slot holds",
-    )
+    _add_store_args(bench)
     bench.add_argument("--json", type=Path, default=None, help="write records to this JSON file")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG (needs matplotlib)")
     bench.add_argument(
@@ -222,10 +219,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": result.text})
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def cmd_models(args: argparse.Namespace) -> int:
     from backend import catalog
     from backend.demo import build_demo, demo_path
@@ -233,12 +226,14 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.models_command == "pull-demo":
         report = build_demo(demo_path())
         print(
-            f"{report.path}  ({_size(report.size_bytes)}, built in {report.seconds:.0f} s, LFU 30 % hit rate {report.lfu30_hit_rate:.1%})"
+            f"{report.path}  ({catalog.format_size(report.size_bytes)}, built in {report.seconds:.0f} s, LFU 30 % hit rate {report.lfu30_hit_rate:.1%})"
         )
         return 0
     if args.models_command == "add":
         entry = catalog.add_model(args.path)
-        print(f"added {entry.name} ({entry.family}, {entry.quant}, {_size(entry.size_bytes)})")
+        print(
+            f"added {entry.name} ({entry.family}, {entry.quant}, {catalog.format_size(entry.size_bytes)})"
+        )
         return 0
     if args.models_command == "info":
         from backend.models.loader import inspect_model
@@ -249,7 +244,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             if key != "sparse_layers":
                 print(f"{key:26} {value}")
         print(f"{'sparse layers':26} {sum(c.sparse_layers)} of {c.n_layers}")
-        print(f"{'quant':26} {info.quant}\n{'size':26} {_size(info.size_bytes)}")
+        print(f"{'quant':26} {info.quant}\n{'size':26} {catalog.format_size(info.size_bytes)}")
         return 0
     entries = catalog.list_models()
     if not entries:
@@ -266,7 +261,7 @@ def cmd_models(args: argparse.Namespace) -> int:
                     e.family,
                     str(e.experts_per_layer or "dense"),
                     str(e.top_k or "-"),
-                    _size(e.size_bytes),
+                    catalog.format_size(e.size_bytes),
                     e.quant,
                     str(e.path),
                 )

@@ -27,10 +27,6 @@ from backend.errors import BevyError
 COLUMNS = ("Name", "Architecture", "Experts/layer", "Top-k", "Quant", "Size", "Path")
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 class ModelManager(QDialog):
     use_model = Signal(str)  # path chosen with "Use selected"
     _demo_done = Signal(str, str)  # path, error
@@ -85,7 +81,7 @@ class ModelManager(QDialog):
                 str(e.experts_per_layer),
                 str(e.top_k),
                 e.quant,
-                _size(e.size_bytes),
+                catalog.format_size(e.size_bytes),
                 str(e.path),
             )
             for col, text in enumerate(cells):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyqtgraph as pg
+from PySide6.QtCore import QEvent
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QLabel, QWidget
 
@@ -120,3 +121,16 @@ def set_swatch(label: QLabel, color: QColor) -> None:
     """Make ``label`` a small legend square of ``color``."""
     label.setFixedSize(12, 12)
     label.setStyleSheet(f"background: {color.name()}; border-radius: 3px;")
+
+
+class ThemedPanel(QWidget):
+    """A panel drawn in its palette's colours; redraws them when the palette changes
+    (dark/light switch while running). Subclasses implement ``_apply_theme``."""
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 (Qt override)
+        if event.type() == QEvent.Type.PaletteChange:
+            self._apply_theme(theme_for(self))
+        super().changeEvent(event)
+
+    def _apply_theme(self, theme: PanelTheme) -> None:
+        raise NotImplementedError

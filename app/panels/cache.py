@@ -7,11 +7,19 @@ from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QRectF, QSize
+from PySide6.QtCore import QRectF, QSize
 from PySide6.QtGui import QColor, QFont, QPainter, QPaintEvent
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.panels._theme import PanelTheme, make_plot, mix, set_swatch, style_plot, theme_for
+from app.panels._theme import (
+    PanelTheme,
+    ThemedPanel,
+    make_plot,
+    mix,
+    set_swatch,
+    style_plot,
+    theme_for,
+)
 from backend.messages import MetricsSnapshot
 
 
@@ -54,7 +62,7 @@ class OccupancyBar(QWidget):
         painter.end()
 
 
-class CachePanel(QWidget):
+class CachePanel(ThemedPanel):
     """Hit rate over the last ``history_s`` seconds, slot occupancy, and a layer x expert map
     of resident experts (bright = in the cache)."""
 
@@ -187,11 +195,6 @@ class CachePanel(QWidget):
         if not shown:
             item.setRange(xRange=(0, 1), yRange=(0, 1), padding=0)
             self._map_note.setPos(0.5, 0.5)
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 (Qt override)
-        if event.type() == QEvent.Type.PaletteChange:
-            self._apply_theme(theme_for(self))
-        super().changeEvent(event)
 
     def _apply_theme(self, theme: PanelTheme) -> None:
         style_plot(self.hit_plot, theme)

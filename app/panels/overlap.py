@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent, QRectF, Qt
+from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.panels._theme import PanelTheme, make_plot, style_plot, theme_for
+from app.panels._theme import PanelTheme, ThemedPanel, make_plot, style_plot, theme_for
 from backend.messages import MetricsSnapshot
 
 # Rows of the timeline, bottom to top, as (y0, height); "both" is thinner so it reads as a
@@ -124,7 +124,7 @@ class IntervalsItem(pg.GraphicsObject):
         painter.drawRects(self._rects)
 
 
-class OverlapPanel(QWidget):
+class OverlapPanel(ThemedPanel):
     """Link and compute lanes over the last ``lane_window_s`` seconds, both-busy highlighted."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -182,11 +182,6 @@ class OverlapPanel(QWidget):
         if snap.runahead != self._runahead:
             self._runahead = snap.runahead
             self._colour_runahead(theme_for(self))
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 (Qt override)
-        if event.type() == QEvent.Type.PaletteChange:
-            self._apply_theme(theme_for(self))
-        super().changeEvent(event)
 
     def _apply_theme(self, theme: PanelTheme) -> None:
         style_plot(self.plot, theme)

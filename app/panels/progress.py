@@ -12,7 +12,6 @@ from typing import Any
 
 from PySide6.QtCore import (
     QAbstractTableModel,
-    QEvent,
     QModelIndex,
     QPersistentModelIndex,
     QRectF,
@@ -31,7 +30,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.panels._theme import PanelTheme, set_swatch, theme_for
+from app.panels._theme import PanelTheme, ThemedPanel, set_swatch, theme_for
 from backend.messages import MetricsSnapshot, RequestProgress
 
 STATES = ("computing", "ready", "waiting", "queued")
@@ -193,7 +192,7 @@ class LayerBarDelegate(QStyledItemDelegate):
         painter.restore()
 
 
-class ProgressPanel(QWidget):
+class ProgressPanel(ThemedPanel):
     """Active requests with their layer (a bar out of ``n_layers``) and state, plus a legend.
 
     ``session_names`` maps request ids to session titles; without a title a row shows the
@@ -262,11 +261,6 @@ class ProgressPanel(QWidget):
         )
         noun = "request" if n == 1 else "requests"
         self.summary_label.setText(f"{n} active {noun} · {spread} · runahead {snap.runahead}")
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 (Qt override)
-        if event.type() == QEvent.Type.PaletteChange:
-            self._apply_theme(theme_for(self))
-        super().changeEvent(event)
 
     def _apply_theme(self, theme: PanelTheme) -> None:
         colors = state_colors(theme)

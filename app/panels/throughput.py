@@ -14,15 +14,14 @@ from collections.abc import Mapping
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QEvent
 from PySide6.QtGui import QColor, QFont
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
-from app.panels._theme import PanelTheme, make_plot, style_plot, theme_for
+from app.panels._theme import PanelTheme, ThemedPanel, make_plot, style_plot, theme_for
 from backend.messages import MetricsSnapshot
 
 
-class ThroughputPanel(QWidget):
+class ThroughputPanel(ThemedPanel):
     """Tokens/s over the last ``history_s`` seconds: the engine total and per session.
 
     ``smooth_s`` is the window per-session rates are averaged over; ``session_names`` maps
@@ -180,11 +179,6 @@ class ThroughputPanel(QWidget):
                 self.legend.removeItem(curve)
                 self.plot.getPlotItem().removeItem(curve)
         self._series.clear()
-
-    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 (Qt override)
-        if event.type() == QEvent.Type.PaletteChange:
-            self._apply_theme(theme_for(self))
-        super().changeEvent(event)
 
     def _apply_theme(self, theme: PanelTheme) -> None:
         style_plot(self.plot, theme)
