@@ -271,7 +271,7 @@ def test_api_toggle_serves_the_apps_own_engine(qtbot, env: Path) -> None:
 
     import httpx
 
-    w = open_window(qtbot, settings_for(env, max_tokens=200))
+    w = open_window(qtbot, settings_for(env, max_tokens=3000))
     w.apply_settings({**w.settings, "api_enabled": True, "api_port": 0})
     qtbot.waitUntil(lambda: w.status_api.text().startswith("API: http"), timeout=30_000)
     url = w.status_api.text().removeprefix("API: ")
@@ -295,7 +295,8 @@ def test_api_toggle_serves_the_apps_own_engine(qtbot, env: Path) -> None:
     t.join()
     assert result["reply"].status_code == 200
     assert result["reply"].json()["usage"]["completion_tokens"] == 6
-    # One engine: the API saw the app's reply in flight on it.
+    # One engine: the API saw the app's reply (3000 tokens, still running) in flight on it.
+    assert sid in w.replies
     assert any(r["session"] == "from the app" for r in result["stats"]["requests"])
     w.stop(sid)
     qtbot.waitUntil(lambda: not w.replies, timeout=30_000)
