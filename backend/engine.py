@@ -155,6 +155,18 @@ class Engine:
         }
         for qtype, n_blocks, block_bytes in shapes:
             fastquant.warm_up(qtype, n_blocks, block_bytes)
+        if self.slot_format == "stored":
+            from backend.formats import qmatmul
+
+            kinds = {
+                tuple((p.qtype, tuple(p.shape), p.nbytes) for p in layer[0].parts)
+                for layer in self.model.experts
+                if layer
+            }
+            for kind in kinds:
+                qmatmul.warm_up(
+                    tuple((torch.zeros(n, dtype=torch.uint8), q, shape) for q, shape, n in kind)
+                )
 
     # --- public API (any thread) --------------------------------------------------------
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from backend.cache import ExpertCache
+from backend.formats import qmatmul
 from backend.models.transformer import SeqSlice, Transformer
 from backend.models.weights import ExpertRef, ExpertWeights, dequantize_slot
 from backend.request import Request
@@ -71,6 +72,21 @@ class JobRunner:
                 self._decoded.popitem(last=False)
         return weights
 
+    def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        """The expert's MLP on rows ``x``: straight from its quantized bytes for a few rows
+        (decoding), else on dequantized weights (prefill, big groups, other block types)."""
+        if x.shape[0] <= qmatmul.MAX_ROWS and not self.slots.is_floating_point():
+            key = (layer, e)
+            row = self.slots[self.cache.slot_of[key]]
+            parts = tuple(
+                (row[o : o + p.nbytes], p.qtype, p.shape)
+                for o, p in zip(self.layouts[key], self.experts[layer][e].parts, strict=True)
+            )
+            out = qmatmul.expert_mlp(parts, x)
+            if out is not None:
+                return out
+        return self.t.expert_mlp(self.expert(layer, e), x)
+
     def enter(self, group: Sequence[Request], layer: int, h: torch.Tensor) -> None:
         """After attention(layer): each request's MoE input and routing for ``layer``."""
         t = self.t
@@ -125,9 +141,7 @@ class JobRunner:
             for e in sorted(set().union(*claims)):
                 rows, kk = (ids == e).nonzero(as_tuple=True)
                 if rows.numel():
-                    y.index_add_(
-                        0, rows, t.expert_mlp(self.expert(layer, e), x[rows]) * w[rows, kk, None]
-                    )
+                    y.index_add_(0, rows, self.mlp(layer, e, x[rows]) * w[rows, kk, None])
             row = 0
             for r, c in zip(group, claims, strict=True):
                 part = y[row : row + r.n]

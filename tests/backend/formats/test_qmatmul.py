@@ -1,0 +1,111 @@
+"""The fused quantized expert MLP computes what dequantize-then-matmul computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.config import EngineConfig
+from backend.engine import Engine
+from backend.formats import qmatmul
+from backend.formats.gguf_export import write_gguf
+from backend.formats.quants import QType, block_shape, dequantize
+from backend.models.loader import load_model
+from tests.backend.models.test_parity import greedy_logits
+from tests.backend.models.tiny import make_tiny
+from tests.backend.test_engine import PROMPTS, STEPS, run_staggered
+
+HIDDEN, INNER = 64, 96
+
+
+def _raw(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    _, bb = block_shape(qtype)
+    n = rows * cols // 32
+    raw = torch.randint(0, 256, (n, bb), dtype=torch.uint8, generator=g)
+    n_scales = 2 if qtype == QType.Q4_1 else 1
+    scales = (torch.randn((n, n_scales), generator=g) * 0.05).half()
+    raw[:, : 2 * n_scales] = scales.view(torch.uint8).view(n, 2 * n_scales)
+    return raw.reshape(-1)
+
+
+def _expert(qtypes: tuple[QType, QType, QType], seed: int = 0) -> tuple:
+    shapes = ((INNER, HIDDEN), (INNER, HIDDEN), (HIDDEN, INNER))
+    return tuple(
+        (_raw(q, *s, seed + i), q, s) for i, (q, s) in enumerate(zip(qtypes, shapes, strict=True))
+    )
+
+
+def _reference(parts: tuple, x: torch.Tensor) -> torch.Tensor:
+    g, u, d = (dequantize(raw, q, s) for raw, q, s in parts)
+    return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+
+
+@pytest.mark.parametrize(
+    "qtypes",
+    [(QType.Q4_1,) * 3, (QType.Q4_0,) * 3, (QType.Q4_0, QType.Q4_0, QType.Q4_1)],
+    ids=["q4_1", "q4_0", "mixed"],
+)
+@pytest.mark.parametrize("rows", [1, 3, qmatmul.MAX_ROWS])
+def test_fused_equals_dequantize_then_matmul(qtypes, rows: int) -> None:
+    parts = _expert(qtypes, seed=rows)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+    got = qmatmul.expert_mlp(parts, x)
+    assert got is not None, "the fused path did not run (no C++ compiler?)"
+    ref = _reference(parts, x)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_rows_do_not_depend_on_their_batch_mates() -> None:
+    parts = _expert((QType.Q4_1,) * 3)
+    x = torch.randn(qmatmul.MAX_ROWS, HIDDEN, generator=torch.Generator().manual_seed(7))
+    whole = qmatmul.expert_mlp(parts, x)
+    for i in range(qmatmul.MAX_ROWS):
+        assert torch.equal(qmatmul.expert_mlp(parts, x[i : i + 1])[0], whole[i])
+    assert torch.equal(qmatmul.expert_mlp(parts, x[2:5]), whole[2:5])
+
+
+def test_other_cases_are_left_to_the_caller() -> None:
+    parts = _expert((QType.Q4_1,) * 3)
+    assert qmatmul.expert_mlp(parts, torch.randn(qmatmul.MAX_ROWS + 1, HIDDEN)) is None
+    assert qmatmul.expert_mlp(parts, torch.randn(2, HIDDEN, dtype=torch.float64)) is None
+    q8 = tuple((raw, QType.Q8_0, s) for raw, _, s in parts)
+    assert qmatmul.expert_mlp(q8, torch.randn(2, HIDDEN)) is None
+
+
+@pytest.mark.parametrize("policy", ["bevy", "sync"])
+@pytest.mark.parametrize("cache", ["min", "0.3"])
+def test_engine_on_q4_experts_matches_plain_generation(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch, policy: str, cache: str
+) -> None:
+    root = tmp_path_factory.mktemp("q4")
+    path = write_gguf(
+        load_model(make_tiny("mixtral", root / "mixtral")), root / "mixtral.q4_1.gguf", QType.Q4_1
+    )
+    model = load_model(path)
+    assert {p.qtype for p in model.experts[0][0].parts} == {QType.Q4_1}
+    fused = []
+    real = qmatmul.expert_mlp
+
+    def counting(parts, x):
+        out = real(parts, x)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(qmatmul, "expert_mlp", counting)
+    size = str(model.config.top_k) if cache == "min" else cache
+    eng = Engine(model, EngineConfig(policy=policy, cache=size, storage="ssd"))
+    fused.clear()  # the engine's compile warm-up calls it too
+    try:
+        finished = run_staggered(eng)
+        for i, p in enumerate(PROMPTS):
+            ids, logits = greedy_logits(model, p, STEPS - 1)
+            assert list(finished[f"r{i}"].token_ids) == ids[len(p) :] + [int(logits[-1].argmax())]
+            ours = torch.stack(eng.logits_log[f"r{i}"])
+            assert (ours - logits).abs().max().item() <= 1e-4
+        assert sum(eng.cache.refs) == 0
+    finally:
+        eng.close()
+    assert any(fused), "decode steps never took the fused path"
