@@ -7,6 +7,9 @@ fuses the passes into one loop: a [1536, 576] Q4_1 matrix decoded in 0.27 ms ins
 eager decoders in ``quants`` (``d * q`` and ``+ m`` rounded separately), so their results
 are bit-identical; the tests compare them with ``torch.equal``.
 
+The kernels run under Inductor's C++ wrapper, which releases the GIL while they run, so
+the link thread is not held up by a decode in progress.
+
 Compiling takes seconds per block count and needs a C++ compiler at run time, so it is
 used only on the CPU, for tensors of at least ``MIN_BLOCKS`` blocks, for a bounded number
 of shapes, and never again after a compile failed; the eager decoders cover everything
@@ -79,7 +82,9 @@ class _Compiled:
                 return None
             fn = self.fns.get(qtype)
             if fn is None:
-                fn = self.fns[qtype] = torch.compile(KERNELS[qtype], dynamic=False)
+                fn = self.fns[qtype] = torch.compile(
+                    KERNELS[qtype], dynamic=False, options={"cpp_wrapper": True}
+                )
             try:
                 out = fn(blocks)
             except Exception as exc:  # no C++ compiler, an Inductor limitation: stay eager

@@ -76,9 +76,15 @@ def _mlp(
 
 
 class _Fused:
+    """One compiled graph per (block types, shape); rows are the only dynamic size.
+
+    The graph runs under a C++ wrapper, which releases the GIL while it computes: the
+    link thread then never waits for a kernel to finish before it can start the next read.
+    """
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.fn = None
+        self.fns: dict[tuple, object] = {}
         self.failed = os.environ.get("BEVY_COMPILE", "1") == "0"
 
     def usable(self, parts: tuple[Part, Part, Part], x: torch.Tensor) -> bool:
@@ -96,19 +102,29 @@ class _Fused:
             and x.shape[-1] == hidden
         )
 
+    def _compiled(self, key: tuple):
+        fn = self.fns.get(key)
+        if fn is None:
+            with self.lock:
+                fn = self.fns.get(key)
+                if fn is None:
+                    kinds, inner, hidden = key
+
+                    def mlp(x, gate, up, down):
+                        return _mlp(x, gate, up, down, kinds, inner, hidden)
+
+                    fn = self.fns[key] = torch.compile(
+                        mlp, dynamic=True, options={"cpp_wrapper": True}
+                    )
+        return fn
+
     def __call__(self, parts: tuple[Part, Part, Part], x: torch.Tensor) -> torch.Tensor | None:
         if not self.usable(parts, x):
             return None
         (g, qg, (inner, hidden)), (u, qu, _), (d, qd, _) = parts
-        kinds = (qg == QType.Q4_1, qu == QType.Q4_1, qd == QType.Q4_1)
-        fn = self.fn
-        if fn is None:
-            with self.lock:
-                if self.fn is None:
-                    self.fn = torch.compile(_mlp, dynamic=True)
-                fn = self.fn
+        key = ((qg == QType.Q4_1, qu == QType.Q4_1, qd == QType.Q4_1), inner, hidden)
         try:
-            return fn(x, g, u, d, kinds, inner, hidden)
+            return self._compiled(key)(x, g, u, d)
         except Exception as exc:  # no C++ compiler, an Inductor limitation: dequantize instead
             self.failed = True
             log.warning("fused quantized expert MLP unavailable, dequantizing: %s", exc)
