@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.config import EngineConfig, SamplingParams
-from backend.engine import Engine
+from backend.engine import Engine, short_switch_interval
 from backend.errors import BevyError
 from backend.generate import chat_prompt_ids, greedy_reference
 from backend.messages import ErrorEvent, Submit, TokenEvent
@@ -76,6 +76,7 @@ def run_once(
         slot_format=plan.slot_format,
     )
     eng = Engine(model, cfg)
+    short_switch_interval()  # as the engine thread runs in the app and `bevy serve`
     params = SamplingParams(temperature=0.0, max_tokens=plan.tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.submit(Submit(f"b{i}", params, prompt_ids=p))

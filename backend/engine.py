@@ -54,7 +54,7 @@ class _FetchDone:
     error: str | None
 
 
-def _short_switch_interval() -> None:
+def short_switch_interval() -> None:
     # The link thread hands the GIL back after every read; with CPython's default 5 ms
     # switch interval it would wait behind compute's Python code for each expert.
     if sys.getswitchinterval() > 0.0005:
@@ -175,7 +175,7 @@ class Engine:
 
     def start(self) -> None:
         """Run the loop on its own thread."""
-        _short_switch_interval()
+        short_switch_interval()
         self._thread = threading.Thread(target=self.loop, name="bevy-engine", daemon=True)
         self._thread.start()
 
@@ -225,7 +225,7 @@ class Engine:
 
     def run_until_idle(self, timeout_s: float = 600.0) -> None:
         """Drive the loop on the calling thread until every request has finished."""
-        _short_switch_interval()
+        short_switch_interval()
         deadline = time.monotonic() + timeout_s
         self._drain(block=False)
         while self.has_work:
