@@ -25,7 +25,7 @@ from backend.telemetry import coalesce
 from backend.workloads import load_workload
 
 SLOT_NOTES = {
-    "stored": "A cache slot holds one expert's stored (quantized) bytes; dequantization happens on every use and is counted as compute time.",
+    "stored": "A cache slot holds one expert's stored (quantized) bytes. Compute reads them directly (a fused kernel for Q4_0/Q4_1 experts with few rows, on the CPU) or dequantizes them on use; either way it is counted as compute time.",
     "decoded": "A cache slot holds one expert's weights dequantized to the compute dtype; dequantization happens once per fetch and is counted as link time.",
 }
 LINK_NOTE = "Link time: the read from the store (O_DIRECT from the model file for --storage ssd, a RAM copy for host), the decode if any, and the copy to the device on CUDA."

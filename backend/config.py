@@ -80,9 +80,10 @@ class EngineConfig:
     max_active: int = 16  # requests running at once; more wait in the admission queue
     kv_budget_mib: int = 2048
     working_set_mib: int = 768  # stored slots: dequantized weights of recently used cached experts
-    # What a cache slot holds: "stored" (the expert's quantized bytes; compute dequantizes on
-    # use, with a small working set of decoded experts) or "decoded" (weights dequantized
-    # once by the link as part of the fetch; slots are then several times larger).
+    # What a cache slot holds: "stored" (the expert's quantized bytes; compute reads them
+    # directly for few rows, else dequantizes on use with a small working set of decoded
+    # experts) or "decoded" (weights dequantized once by the link as part of the fetch;
+    # slots are then several times larger).
     # "auto" is "stored": on the 2-core CPU we measured, decoding on the link thread took
     # a core from compute and lost more than it saved.
     slot_format: str = "auto"

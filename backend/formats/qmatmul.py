@@ -34,6 +34,10 @@ from gguf import GGMLQuantizationType as QType
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
+# Distinct (block types, shape) graphs per process. They share one code object, and
+# Dynamo keeps 8 compiled variants per code object (each kind has a one-row and a
+# many-row variant); past that, experts of other kinds take the dequantizing path.
+MAX_KINDS = 3
 FUSABLE = (QType.Q4_0, QType.Q4_1)
 
 # (raw block bytes, qtype, (rows, cols)) of gate, up, down
@@ -108,6 +112,8 @@ class _Fused:
             with self.lock:
                 fn = self.fns.get(key)
                 if fn is None:
+                    if len(self.fns) >= MAX_KINDS:
+                        return None
                     kinds, inner, hidden = key
 
                     def mlp(x, gate, up, down):
@@ -124,7 +130,8 @@ class _Fused:
         (g, qg, (inner, hidden)), (u, qu, _), (d, qd, _) = parts
         key = ((qg == QType.Q4_1, qu == QType.Q4_1, qd == QType.Q4_1), inner, hidden)
         try:
-            return self._compiled(key)(x, g, u, d)
+            fn = self._compiled(key)
+            return None if fn is None else fn(x, g, u, d)
         except Exception as exc:  # no C++ compiler, an Inductor limitation: dequantize instead
             self.failed = True
             log.warning("fused quantized expert MLP unavailable, dequantizing: %s", exc)

@@ -75,6 +75,20 @@ def test_other_cases_are_left_to_the_caller() -> None:
     assert qmatmul.expert_mlp(q8, torch.randn(2, HIDDEN)) is None
 
 
+def test_kinds_beyond_the_bound_are_left_to_the_caller(monkeypatch) -> None:
+    fused = qmatmul._Fused()
+    monkeypatch.setattr(qmatmul, "_FUSED", fused)
+    shapes = [(32 * (i + 2), 64) for i in range(qmatmul.MAX_KINDS + 1)]
+    for i, (inner, hidden) in enumerate(shapes):
+        parts = (
+            (_raw(QType.Q4_1, inner, hidden, i), QType.Q4_1, (inner, hidden)),
+            (_raw(QType.Q4_1, inner, hidden, i + 1), QType.Q4_1, (inner, hidden)),
+            (_raw(QType.Q4_1, hidden, inner, i + 2), QType.Q4_1, (hidden, inner)),
+        )
+        got = qmatmul.expert_mlp(parts, torch.randn(1, hidden))
+        assert (got is None) == (i >= qmatmul.MAX_KINDS)
+
+
 @pytest.mark.parametrize("policy", ["bevy", "sync"])
 @pytest.mark.parametrize("cache", ["min", "0.3"])
 def test_engine_on_q4_experts_matches_plain_generation(
