@@ -21,10 +21,11 @@ class JobRunner:
     """Runs jobs on experts held in cache slots in their stored (quantized) form.
 
     An expert with few rows in a group runs straight from its quantized bytes (``mlp``,
-    ``qmatmul``); otherwise it is dequantized, which is compute work. Small groups at the same layer often use the same
-    expert moments apart, so the dequantized weights of the last ``working_set`` uses are
-    kept while their slot still holds that expert (checked by slot generation): this
-    saves repeated decoding without holding a single expert the cache does not.
+    ``qmatmul``); otherwise it is dequantized, which is compute work. Small groups at the
+    same layer often use the same expert moments apart, so the dequantized weights of the
+    last ``working_set`` uses are kept while their slot still holds that expert (checked
+    by slot generation): this saves repeated decoding without holding a single expert the
+    cache does not.
     """
 
     def __init__(

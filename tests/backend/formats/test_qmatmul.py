@@ -75,6 +75,32 @@ def test_other_cases_are_left_to_the_caller() -> None:
     assert qmatmul.expert_mlp(q8, torch.randn(2, HIDDEN)) is None
 
 
+def test_warm_up_compiles_what_engine_calls_use(monkeypatch) -> None:
+    """Engine calls (slot views at odd offsets, 1..MAX_ROWS rows, inference mode) never
+    compile again after the warm-up, nor fall back to running the graph eagerly."""
+    fused = qmatmul._Fused()
+    monkeypatch.setattr(qmatmul, "_FUSED", fused)
+    parts = _expert((QType.Q4_0, QType.Q4_1, QType.Q4_1), seed=11)
+    assert qmatmul.warm_up(tuple((torch.zeros_like(raw), q, s) for raw, q, s in parts))
+    size = sum(raw.numel() for raw, _, _ in parts)
+    slot = torch.zeros(size + 4096 + 20, dtype=torch.uint8)
+    at = 4096 + 20
+    views = []
+    for raw, q, s in parts:
+        slot[at : at + raw.numel()] = raw
+        views.append((slot[at : at + raw.numel()], q, s))
+        at += raw.numel()
+    views = tuple(views)
+    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+        for rows in range(1, qmatmul.MAX_ROWS + 1):
+            x = torch.randn(rows, HIDDEN)
+            got = qmatmul.expert_mlp(views, x)
+            assert got is not None, f"{rows} rows needed a new compile"
+            ref = _reference(parts, x)
+            assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert not fused.failed
+
+
 def test_kinds_beyond_the_bound_are_left_to_the_caller(monkeypatch) -> None:
     fused = qmatmul._Fused()
     monkeypatch.setattr(qmatmul, "_FUSED", fused)
