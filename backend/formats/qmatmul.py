@@ -32,6 +32,9 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
+from backend.formats.fastquant import _f16
+from backend.formats.quants import block_shape
+
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
@@ -45,10 +48,6 @@ FUSABLE = (QType.Q4_0, QType.Q4_1)
 Part = tuple[torch.Tensor, QType, tuple[int, int]]
 
 
-def _f16(b: torch.Tensor, start: int) -> torch.Tensor:
-    return b[..., start : start + 2].contiguous().view(torch.float16).to(torch.float32)[..., 0]
-
-
 def _linear(x: torch.Tensor, raw: torch.Tensor, q4_1: bool, n: int, k: int) -> torch.Tensor:
     """x [M, k] @ W.T for W [n, k] stored as Q4_1 (20-byte) or Q4_0 (18-byte) blocks."""
     nb = k // 32
@@ -57,12 +56,12 @@ def _linear(x: torch.Tensor, raw: torch.Tensor, q4_1: bool, n: int, k: int) -> t
     lo, hi = (qs & 0x0F).to(torch.float32), (qs >> 4).to(torch.float32)
     if not q4_1:
         lo, hi = lo - 8.0, hi - 8.0
-    d = _f16(b, 0)[..., None]  # [n, nb, 1]
+    d = _f16(b, 0)  # [n, nb, 1]
     xb = x.view(x.shape[0], 1, nb, 2, 16)
     # One reduction over all of k (blocks x values): no horizontal sum per block.
     y = ((lo * d)[None] * xb[:, :, :, 0] + (hi * d)[None] * xb[:, :, :, 1]).sum((-1, -2))
     if q4_1:
-        y = y + (_f16(b, 2)[None] * xb.sum((-1, -2))).sum(-1)
+        y = y + (_f16(b, 2)[None, ..., 0] * xb.sum((-1, -2))).sum(-1)
     return y  # [M, n]
 
 
@@ -81,7 +80,9 @@ def _mlp(
 
 
 class _Fused:
-    """One compiled graph per (block types, shape); rows are the only dynamic size.
+    """One compiled graph per kind of expert (block types, shapes); rows are the only
+    dynamic size. Whether a kind can be fused is decided once, when it is first seen, so
+    the per-expert call in the engine's job loop only looks the decision up.
 
     The graph runs under a C++ wrapper, which releases the GIL while it computes: the
     link thread then never waits for a kernel to finish before it can start the next read.
@@ -89,64 +90,54 @@ class _Fused:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.fns: dict[tuple, object] = {}
+        self.fns: dict[tuple, object | None] = {}  # kind -> compiled graph, or None: not fusable
+        self.n_compiled = 0
         self.failed = os.environ.get("BEVY_COMPILE", "1") == "0"
 
-    def usable(self, parts: tuple[Part, Part, Part], x: torch.Tensor) -> bool:
-        if self.failed or x.device.type != "cpu" or x.dtype != torch.float32:
-            return False
-        (_, qg, (inner, hidden)), (_, qu, su), (_, qd, sd) = parts
-        return (
-            qg in FUSABLE
-            and qu in FUSABLE
-            and qd in FUSABLE
+    def _decide(self, kind: tuple):
+        (qg, (inner, hidden), ng), (qu, su, nu), (qd, sd, nd) = kind
+        fusable = (
+            all(q in FUSABLE for q in (qg, qu, qd))
             and su == (inner, hidden)
             and sd == (hidden, inner)
             and hidden % 32 == 0
             and inner % 32 == 0
-            and x.shape[-1] == hidden
-            and x.dim() == 2
-            and x.is_contiguous()
             and all(
-                raw.dtype == torch.uint8
-                and raw.is_contiguous()
-                and raw.numel() == rows * cols // 32 * (20 if q == QType.Q4_1 else 18)
-                for raw, q, (rows, cols) in parts
+                n == rows * cols // 32 * block_shape(q)[1]
+                for q, (rows, cols), n in ((qg, (inner, hidden), ng), (qu, su, nu), (qd, sd, nd))
             )
         )
+        if not fusable or self.n_compiled >= MAX_KINDS:
+            return None
+        self.n_compiled += 1
+        q4_1 = (qg == QType.Q4_1, qu == QType.Q4_1, qd == QType.Q4_1)
 
-    def _compiled(self, key: tuple):
-        fn = self.fns.get(key)
-        if fn is None:
-            with self.lock:
-                fn = self.fns.get(key)
-                if fn is None:
-                    if len(self.fns) >= MAX_KINDS:
-                        return None
-                    kinds, inner, hidden = key
+        def mlp(x, gate, up, down):
+            return _mlp(x, gate, up, down, q4_1, inner, hidden)
 
-                    def mlp(x, gate, up, down):
-                        return _mlp(x, gate, up, down, kinds, inner, hidden)
-
-                    fn = self.fns[key] = torch.compile(
-                        mlp, dynamic=True, options={"cpp_wrapper": True}
-                    )
-        return fn
+        return torch.compile(mlp, dynamic=True, options={"cpp_wrapper": True})
 
     def __call__(self, parts: tuple[Part, Part, Part], x: torch.Tensor) -> torch.Tensor | None:
-        if not self.usable(parts, x):
+        if self.failed or x.device.type != "cpu" or x.dtype != torch.float32:
             return None
-        (g, qg, (inner, hidden)), (u, qu, _), (d, qd, _) = parts
-        key = ((qg == QType.Q4_1, qu == QType.Q4_1, qd == QType.Q4_1), inner, hidden)
+        kind = tuple((q, shape, raw.numel()) for raw, q, shape in parts)
+        fn = self.fns.get(kind, _UNSEEN)
+        if fn is _UNSEEN:
+            with self.lock:
+                fn = self.fns.get(kind, _UNSEEN)
+                if fn is _UNSEEN:
+                    fn = self.fns[kind] = self._decide(kind)
+        if fn is None or x.dim() != 2 or x.shape[1] != parts[0][2][1]:
+            return None
         try:
-            fn = self._compiled(key)
-            return None if fn is None else fn(x, g, u, d)
+            return fn(x.contiguous(), parts[0][0], parts[1][0], parts[2][0])
         except Exception as exc:  # no C++ compiler, an Inductor limitation: dequantize instead
             self.failed = True
             log.warning("fused quantized expert MLP unavailable, dequantizing: %s", exc)
             return None
 
 
+_UNSEEN = object()
 _FUSED = _Fused()
 
 
