@@ -1,23 +1,50 @@
 """The link: one thread that moves experts from the store into cache slots, by priority.
 
-On CPU (and MPS's unified memory) the store reads straight into the slot. On CUDA it
-reads into pinned staging memory, then copies to the device slot on a dedicated copy
-stream, so copies overlap kernels on the compute stream. Every busy interval is recorded.
+On CPU (and MPS's unified memory) the store reads straight into the slot. From an SSD
+store on Linux the link keeps the next few experts' part reads queued in the kernel at
+once (native AIO, ``backend.aio``): the SSD sees several reads and the link thread wakes
+once per expert. On CUDA it reads into pinned staging memory, then copies to the device
+slot on a dedicated copy stream, so copies overlap kernels on the compute stream. Every
+busy interval is recorded (intervals never overlap: with reads queued together, an
+expert's interval starts when the previous one ended).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
+from dataclasses import dataclass, field
 
 import torch
 
+from backend import aio
 from backend.models.weights import ExpertRef, dequantize_slot
 from backend.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+# Experts whose reads the link queues at once (native AIO). More keeps the SSD busier but
+# a fetch that arrives later with a higher priority waits behind more of them.
+QUEUED_EXPERTS = 2
+
+
+@dataclass
+class _Flight:
+    """An expert whose reads are queued in the kernel."""
+
+    key: tuple[int, int]
+    ref: ExpertRef
+    slot: int
+    prefetch: bool
+    start: float
+    results: list[int] = field(default_factory=lambda: [0, 0, 0])
+    left: int = 3
+
 
 Done = Callable[[tuple[int, int], tuple[int, int, int] | None, str | None], None]
 
@@ -48,6 +75,11 @@ class Fetcher:
             self._staging = store.alloc_slots(1, pin_memory=self._cuda)[0]
         if self._cuda:
             self._stream = torch.cuda.Stream(device=slots.device)
+        self._aio = None
+        if not self._cuda and decode is None and getattr(store, "direct", False):
+            self._aio = aio.open_reads(3 * QUEUED_EXPERTS)
+        self._flights: dict[int, _Flight] = {}
+        self._last_end = 0.0
         self._thread = threading.Thread(target=self._run, name="bevy-link", daemon=True)
         self._thread.start()
 
@@ -68,6 +100,11 @@ class Fetcher:
         with self._cv:
             return len(self._heap)
 
+    @property
+    def batched(self) -> bool:
+        """Whether reads are queued in the kernel several at a time (native AIO)."""
+        return self._aio is not None
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -80,23 +117,90 @@ class Fetcher:
         torch.set_num_threads(1)
         while True:
             with self._cv:
-                while not self._heap and not self._closed:
+                while not self._heap and not self._flights and not self._closed:
                     self._cv.wait()
-                if self._closed:
+                if self._closed and not self._flights:
                     # Unstarted fetches are reported as failed so their slots are freed.
                     pending, self._heap = self._heap, []
                     for item in pending:
                         self.on_done(item[2], None, "engine shutting down")
+                    if self._aio is not None:
+                        self._aio.close()
                     return
-                _, _, key, ref, slot, prefetch = heapq.heappop(self._heap)
-            start = time.perf_counter()
-            try:
-                layout = self._fetch(ref, slot)
-            except Exception as exc:  # an I/O error fails this fetch, not the link
-                self.on_done(key, None, f"reading expert {key} failed: {exc}")
+                batch = []
+                limit = QUEUED_EXPERTS if self._aio is not None else 1
+                while self._heap and not self._closed and len(self._flights) + len(batch) < limit:
+                    batch.append(heapq.heappop(self._heap))
+            if self._aio is None:
+                self._fetch_now(*batch[0][2:])
                 continue
-            self.telemetry.record_link(start, time.perf_counter(), key, ref.nbytes, prefetch)
-            self.on_done(key, layout, None)
+            if batch:
+                self._queue(batch)
+            if self._flights:
+                self._land()
+
+    def _queue(self, batch: list) -> None:
+        """Queue the batch's reads in the kernel in one call."""
+        reads, flights = [], []
+        now = time.perf_counter()
+        for _, seq, key, ref, slot, prefetch in batch:
+            flights.append((seq, _Flight(key, ref, slot, prefetch, now)))
+            for i, (fd, address, length, offset) in enumerate(
+                self.store.direct_reads(ref, self.slots[slot])
+            ):
+                reads.append(aio.Read(seq * 4 + i, fd, address, length, offset))
+        self._flights.update(flights)
+        try:
+            self._aio.submit(reads)
+        except OSError as exc:
+            self._fall_back(exc)
+
+    def _land(self) -> None:
+        """Wait for the oldest queued expert; report every expert whose reads all landed."""
+        try:
+            events = self._aio.wait(next(iter(self._flights.values())).left)
+        except OSError as exc:
+            self._fall_back(exc)
+            return
+        for tag, result in events:
+            flight = self._flights[tag // 4]
+            flight.results[tag % 4] = result
+            flight.left -= 1
+        for seq in [seq for seq, f in self._flights.items() if not f.left]:
+            f = self._flights.pop(seq)
+            try:
+                self.store.finish_reads(f.ref, self.slots[f.slot], f.results)
+            except Exception as exc:
+                self.on_done(f.key, None, f"reading expert {f.key} failed: {exc}")
+                continue
+            end = time.perf_counter()
+            self.telemetry.record_link(
+                max(f.start, self._last_end), end, f.key, f.ref.nbytes, f.prefetch
+            )
+            self._last_end = end
+            self.on_done(f.key, self.store.layout(f.ref), None)
+
+    def _fall_back(self, exc: OSError) -> None:
+        """Native AIO failed: let queued reads finish, redo them with preadv, stop using AIO."""
+        log.warning("queued expert reads failed (%s); reading one part at a time", exc)
+        reads, self._aio = self._aio, None
+        with suppress(OSError):  # the context is unusable; the reads below do not need it
+            reads.close()
+        flights, self._flights = self._flights, {}
+        for f in flights.values():
+            self._fetch_now(f.key, f.ref, f.slot, f.prefetch)
+
+    def _fetch_now(self, key: tuple[int, int], ref: ExpertRef, slot: int, prefetch: bool) -> None:
+        start = time.perf_counter()
+        try:
+            layout = self._fetch(ref, slot)
+        except Exception as exc:  # an I/O error fails this fetch, not the link
+            self.on_done(key, None, f"reading expert {key} failed: {exc}")
+            return
+        end = time.perf_counter()
+        self.telemetry.record_link(max(start, self._last_end), end, key, ref.nbytes, prefetch)
+        self._last_end = end
+        self.on_done(key, layout, None)
 
     def _fetch(self, ref: ExpertRef, slot: int) -> tuple[int, int, int]:
         layout = self.store.layout(ref)

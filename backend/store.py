@@ -156,42 +156,72 @@ class SSDStore(ExpertStore):
         )
 
     def layout(self, ref: ExpertRef) -> Layout:
-        offsets = []
+        gate, up, down = (pos + part.offset - start for part, start, _, pos in self._ranges(ref))
+        return gate, up, down
+
+    def _ranges(self, ref: ExpertRef) -> list[tuple[TensorRef, int, int, int]]:
+        """(part, file start, length, position in the slot) of each aligned read."""
+        out = []
         pos = 0
         for part in ref.parts:
             start, length = _aligned_range(part)
-            offsets.append(pos + part.offset - start)
+            out.append((part, start, length, pos))
             pos += length
-        return offsets[0], offsets[1], offsets[2]
+        return out
 
-    def read_into(self, ref: ExpertRef, slot: torch.Tensor) -> int:
+    def _check_slot(self, slot: torch.Tensor) -> torch.Tensor:
         flat = _flat_slot(self, slot)
         if flat.device.type != "cpu":
             raise ValueError("SSDStore reads into CPU (pinned staging) slots only")
         if self.direct and flat.data_ptr() % ALIGN:
             raise ValueError(f"O_DIRECT needs a {ALIGN}-aligned slot; use alloc_slots()")
-        view = memoryview(flat.numpy())
+        return flat
+
+    def read_into(self, ref: ExpertRef, slot: torch.Tensor) -> int:
+        view = memoryview(self._check_slot(slot).numpy())
+        return sum(
+            self._read(part, start, view[pos : pos + length])
+            for part, start, length, pos in self._ranges(ref)
+        )
+
+    def direct_reads(self, ref: ExpertRef, slot: torch.Tensor) -> list[tuple[int, int, int, int]]:
+        """(fd, address, length, file offset) of the reads that fill ``slot`` with ``ref``,
+        for a caller that queues them itself (``backend.aio``); then call ``finish_reads``.
+        The slot must stay alive until they complete."""
+        base = self._check_slot(slot).data_ptr()
+        return [
+            (self._fds[part.path], base + pos, length, start)
+            for part, start, length, pos in self._ranges(ref)
+        ]
+
+    def finish_reads(self, ref: ExpertRef, slot: torch.Tensor, results: list[int]) -> int:
+        """Check queued reads' results (bytes read, or -errno): a short read is completed
+        (or zero-filled at the end of the file) the way ``read_into`` does it."""
+        view = memoryview(self._check_slot(slot).numpy())
         total = 0
-        pos = 0
-        for part in ref.parts:
-            start, length = _aligned_range(part)
-            total += self._read(part, start, view[pos : pos + length])
-            pos += length
+        for (part, start, length, pos), got in zip(self._ranges(ref), results, strict=True):
+            if got < 0:
+                raise OSError(-got, f"reading {part.path} at {start}: {os.strerror(-got)}")
+            if got < length:
+                # Resume where the kernel stopped (end of file: zero-fill), with the checks.
+                got = self._read(part, start, view[pos : pos + length], got)
+            total += got
         return total
 
-    def _read(self, part: TensorRef, start: int, into: memoryview) -> int:
+    def _read(self, part: TensorRef, start: int, into: memoryview, got: int = 0) -> int:
+        """Fill ``into`` with the file's bytes from ``start`` (the first ``got`` are already
+        there); past the end of the file it is zero-filled."""
         fd = self._fds[part.path]
         size = self._sizes[part.path]
         length = len(into)
-        got = 0
-        while got < length:
+        while got < length and start + got < size:
             # preadv fills the slot in place and releases the GIL during the syscall.
             n = os.preadv(fd, [into[got:]], start + got)
-            got += n
-            # At end of file an O_DIRECT read comes back short and unaligned; stop there.
-            if n == 0 or start + got >= size:
+            if n == 0:
                 break
-        if got < part.offset + part.nbytes - start:
+            # At end of file an O_DIRECT read comes back short and unaligned; it stops there.
+            got += n
+        if start + got < part.offset + part.nbytes:
             raise OSError(errno.EIO, f"short read of {part.path} at {part.offset}")
         if got < length:
             into[got:] = bytes(length - got)

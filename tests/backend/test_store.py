@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import mmap
 import os
-import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ from backend.models.loader import inspect_model, load_model
 from backend.models.weights import ExpertRef
 from backend.store import ALIGN, TIERS, SSDStore, dequantize_slot, open_store
 from tests.backend.models.tiny import make_tiny
+from tests.backend.pagecache import evict, expert_pages, fs_type, resident_pages
 
 ROOT = Path(__file__).resolve().parents[2]
 LINUX = sys.platform.startswith("linux")
@@ -111,75 +108,6 @@ def test_unknown_tier() -> None:
 
 
 # --- page cache -------------------------------------------------------------------------
-
-
-def fs_type(path: Path) -> str:
-    """The filesystem type of the mount holding ``path`` (longest matching mount point)."""
-    best, kind = "", ""
-    for line in Path("/proc/mounts").read_text().splitlines():
-        mount, fstype = line.split()[1:3]
-        if str(path).startswith(mount.rstrip("/") + "/") and len(mount) > len(best):
-            best, kind = mount, fstype
-    return kind
-
-
-@pytest.fixture
-def disk_dir(tmp_path: Path) -> Iterator[Path]:
-    """A folder on a real disk: tmpfs *is* the page cache, so the proof means nothing there."""
-    if fs_type(tmp_path.resolve()) not in ("tmpfs", "ramfs"):
-        yield tmp_path
-        return
-    folder = ROOT / "tests" / "artifacts" / f"store-{os.getpid()}"
-    if fs_type(folder.parent.resolve()) in ("tmpfs", "ramfs", ""):
-        pytest.skip("no disk-backed folder to test page-cache bypass on")
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def resident_pages(path: Path) -> set[int]:
-    """Indices of ``path``'s pages that are in the page cache (mincore on a shared map)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size = path.stat().st_size
-    vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap failed")
-        try:
-            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), size)
-    finally:
-        os.close(fd)
-    return {i for i, v in enumerate(vec) if v & 1}
-
-
-def expert_pages(experts: list[list[ExpertRef]]) -> set[int]:
-    page = mmap.PAGESIZE
-    return {
-        i
-        for ref in flat(experts)
-        for p in ref.parts
-        for i in range(p.offset // page, (p.offset + p.nbytes - 1) // page + 1)
-    }
 
 
 def read_all(path: Path, experts: list[list[ExpertRef]]) -> SSDStore:

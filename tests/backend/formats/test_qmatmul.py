@@ -73,6 +73,9 @@ def test_other_cases_are_left_to_the_caller() -> None:
     assert qmatmul.expert_mlp(parts, torch.randn(2, HIDDEN, dtype=torch.float64)) is None
     q8 = tuple((raw, QType.Q8_0, s) for raw, _, s in parts)
     assert qmatmul.expert_mlp(q8, torch.randn(2, HIDDEN)) is None
+    # The scales are read through an f16 view, which needs an even byte offset.
+    odd = tuple((torch.cat([raw[:1], raw])[1:], q, s) for raw, q, s in parts)
+    assert qmatmul.expert_mlp(odd, torch.randn(2, HIDDEN)) is None
 
 
 def test_warm_up_compiles_what_engine_calls_use(monkeypatch) -> None:
