@@ -3,10 +3,11 @@
 An expert is three reads (gate, up, down) at three places in the file. One ``preadv`` at a
 time gives the SSD a queue depth of 1 and wakes the link thread (which then needs a core
 and the GIL) after every part. Here the link hands the kernel every part of the next few
-experts in one system call and sleeps in one ``io_getevents`` until an expert has landed:
-the SSD sees several reads at once and the compute cores are interrupted about once per
-expert instead of three times. On this project's 2-core test machine (demo MoE, 1.5 MB
-experts) a part-at-a-time read took 1.26 ms per expert and batched reads ~1.05 ms.
+experts in one system call and sleeps in one ``io_getevents`` until as many reads as the
+oldest expert still needs have landed: the SSD sees several reads at once and the link
+thread wakes about once per expert instead of three times. On this project's 2-core test
+machine (demo MoE, 1.5 MB experts) a part-at-a-time read took 1.26 ms per expert and
+queued reads ~1.05 ms.
 
 Linux on x86-64 and arm64 only; ``open_reads`` returns None elsewhere, or where the kernel
 refuses an AIO context (``fs.aio-max-nr`` exhausted, a sandbox), and callers read with
@@ -110,6 +111,8 @@ class Reads:
     def wait(self, at_least: int) -> list[tuple[int, int]]:
         """Block (GIL released) until ``at_least`` reads finish; return (tag, bytes read or
         -errno) for every read that finished."""
+        if not self.in_flight:
+            raise ValueError("no reads in flight: waiting would block forever")
         at_least = max(1, min(at_least, self.in_flight))
         while True:
             n = self._call(self._getevents, self._ctx, at_least, self.depth, self._events, None)
@@ -121,12 +124,17 @@ class Reads:
         return [(int(self._events[i].data), int(self._events[i].res)) for i in range(n)]
 
     def close(self) -> None:
-        """Wait for reads still in flight (their buffers may be freed next), then destroy."""
-        while self.in_flight:
-            self.wait(self.in_flight)
-        if self._ctx.value:
-            self._call(self._destroy, self._ctx)
-            self._ctx = ctypes.c_ulong(0)
+        """Wait for reads still in flight (their buffers may be reused next), then destroy
+        the context. io_destroy itself blocks until no read can land any more, so even if
+        waiting fails, once this returns no buffer is written to again."""
+        try:
+            while self.in_flight:
+                self.wait(self.in_flight)
+        finally:
+            if self._ctx.value:
+                self._call(self._destroy, self._ctx)
+                self._ctx = ctypes.c_ulong(0)
+            self.in_flight = 0
 
 
 def open_reads(depth: int) -> Reads | None:

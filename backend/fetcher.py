@@ -102,7 +102,8 @@ class Fetcher:
 
     @property
     def batched(self) -> bool:
-        """Whether reads are queued in the kernel several at a time (native AIO)."""
+        """Whether reads are queued in the kernel several at a time (native AIO) and
+        never fell back to one part at a time."""
         return self._aio is not None
 
     def close(self) -> None:
@@ -115,51 +116,76 @@ class Fetcher:
         # Decoding on the link runs beside compute: one intra-op thread here leaves the
         # other cores to compute instead of oversubscribing them (the setting is per thread).
         torch.set_num_threads(1)
+        reason = "engine shutting down"
+        try:
+            self._loop()
+        except BaseException as exc:
+            log.exception("the link thread stopped")
+            reason = f"the link stopped: {exc}"
+            raise
+        finally:
+            self._abandon(reason)
+
+    def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self._heap and not self._flights and not self._closed:
                     self._cv.wait()
                 if self._closed and not self._flights:
-                    # Unstarted fetches are reported as failed so their slots are freed.
-                    pending, self._heap = self._heap, []
-                    for item in pending:
-                        self.on_done(item[2], None, "engine shutting down")
-                    if self._aio is not None:
-                        self._aio.close()
                     return
                 batch = []
                 limit = QUEUED_EXPERTS if self._aio is not None else 1
                 while self._heap and not self._closed and len(self._flights) + len(batch) < limit:
                     batch.append(heapq.heappop(self._heap))
             if self._aio is None:
-                self._fetch_now(*batch[0][2:])
+                if batch:
+                    self._fetch_now(*batch[0][2:])
                 continue
             if batch:
                 self._queue(batch)
-            if self._flights:
+            if self._flights and self._aio is not None:
                 self._land()
+
+    def _abandon(self, reason: str) -> None:
+        """Report every fetch not done as failed, so that its slot is freed and no job
+        waits for it; queued reads are stopped first (their slots are then safe to reuse)."""
+        if self._aio is not None:  # kept (closed): ``batched`` still tells how it read
+            with suppress(OSError):
+                self._aio.close()
+        with self._cv:
+            self._closed = True
+            pending, self._heap = self._heap, []
+        flights, self._flights = self._flights, {}
+        for f in flights.values():
+            self.on_done(f.key, None, reason)
+        for item in pending:
+            self.on_done(item[2], None, reason)
 
     def _queue(self, batch: list) -> None:
         """Queue the batch's reads in the kernel in one call."""
-        reads, flights = [], []
+        reads = []
         now = time.perf_counter()
         for _, seq, key, ref, slot, prefetch in batch:
-            flights.append((seq, _Flight(key, ref, slot, prefetch, now)))
-            for i, (fd, address, length, offset) in enumerate(
-                self.store.direct_reads(ref, self.slots[slot])
-            ):
-                reads.append(aio.Read(seq * 4 + i, fd, address, length, offset))
-        self._flights.update(flights)
+            try:
+                parts = self.store.direct_reads(ref, self.slots[slot])
+            except Exception as exc:
+                self.on_done(key, None, f"reading expert {key} failed: {exc}")
+                continue
+            self._flights[seq] = _Flight(key, ref, slot, prefetch, now)
+            reads.extend(aio.Read(seq * 4 + i, *part) for i, part in enumerate(parts))
+        if not reads:
+            return
         try:
             self._aio.submit(reads)
-        except OSError as exc:
+        except Exception as exc:
             self._fall_back(exc)
 
     def _land(self) -> None:
-        """Wait for the oldest queued expert; report every expert whose reads all landed."""
+        """Wait for the oldest queued expert's reads (other experts' reads that land
+        meanwhile count too); report every expert whose reads have all landed."""
         try:
             events = self._aio.wait(next(iter(self._flights.values())).left)
-        except OSError as exc:
+        except Exception as exc:
             self._fall_back(exc)
             return
         for tag, result in events:
@@ -170,6 +196,7 @@ class Fetcher:
             f = self._flights.pop(seq)
             try:
                 self.store.finish_reads(f.ref, self.slots[f.slot], f.results)
+                layout = self.store.layout(f.ref)
             except Exception as exc:
                 self.on_done(f.key, None, f"reading expert {f.key} failed: {exc}")
                 continue
@@ -178,13 +205,15 @@ class Fetcher:
                 max(f.start, self._last_end), end, f.key, f.ref.nbytes, f.prefetch
             )
             self._last_end = end
-            self.on_done(f.key, self.store.layout(f.ref), None)
+            self.on_done(f.key, layout, None)
 
-    def _fall_back(self, exc: OSError) -> None:
-        """Native AIO failed: let queued reads finish, redo them with preadv, stop using AIO."""
+    def _fall_back(self, exc: Exception) -> None:
+        """Native AIO failed: stop the queued reads, redo them with preadv, stop using AIO."""
         log.warning("queued expert reads failed (%s); reading one part at a time", exc)
         reads, self._aio = self._aio, None
-        with suppress(OSError):  # the context is unusable; the reads below do not need it
+        # close() destroys the context even if draining fails, and io_destroy returns only
+        # once no read can still land: the slots are safe to read into again.
+        with suppress(OSError):
             reads.close()
         flights, self._flights = self._flights, {}
         for f in flights.values():

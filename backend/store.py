@@ -203,6 +203,8 @@ class SSDStore(ExpertStore):
             if got < 0:
                 raise OSError(-got, f"reading {part.path} at {start}: {os.strerror(-got)}")
             if got < length:
+                if self._direct[part.path] and start + got < self._sizes[part.path]:
+                    got -= got % ALIGN  # O_DIRECT resumes at an aligned offset only
                 # Resume where the kernel stopped (end of file: zero-fill), with the checks.
                 got = self._read(part, start, view[pos : pos + length], got)
             total += got

@@ -2,8 +2,9 @@
 
 Decoding tokens reach each expert one or two rows at a time. Dequantizing the whole
 expert for them (three float32 matrices written and read back, ~10 MB for a demo
-expert) costs several times the arithmetic. Here one compiled (Inductor) graph reads the
-Q4_1 / Q4_0 blocks and folds each block's scale into a dot product::
+expert) costs several times the arithmetic. Here compiled (Inductor) graphs read the
+Q4_1 / Q4_0 blocks and fold each block's scale into a dot product (gate and up in one
+graph, then an eager SiLU, then down in another; see ``_graph``)::
 
     Q4_1: y[m, n] = sum_b (d[n, b] * q[n, b, :]) . x[m, b, :]  +  sum_b m[n, b] * sum(x[m, b, :])
     Q4_0: y[m, n] = sum_b (d[n, b] * (q[n, b, :] - 8)) . x[m, b, :]
@@ -165,7 +166,10 @@ class _Fused:
         if m not in ROW_BUCKETS:
             x = F.pad(x, (0, 0, 0, next(b for b in ROW_BUCKETS if b > m) - m))
         try:
-            return fn(x.contiguous(), parts[0][0], parts[1][0], parts[2][0])[:m]
+            # Always in inference mode, as the warm-up compiled it: outside it, Dynamo
+            # would compile each bucket a second time.
+            with torch.inference_mode():
+                return fn(x.contiguous(), parts[0][0], parts[1][0], parts[2][0])[:m]
         except Exception as exc:  # no C++ compiler, an Inductor limitation: dequantize instead
             self.failed = True
             log.warning("fused quantized expert MLP unavailable, dequantizing: %s", exc)

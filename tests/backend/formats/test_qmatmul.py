@@ -65,6 +65,7 @@ def test_rows_do_not_depend_on_their_batch_mates() -> None:
     for i in range(qmatmul.MAX_ROWS):
         assert torch.equal(qmatmul.expert_mlp(parts, x[i : i + 1])[0], whole[i])
     assert torch.equal(qmatmul.expert_mlp(parts, x[2:5]), whole[2:5])
+    assert torch.equal(qmatmul.expert_mlp(parts, x[6:8]), whole[6:8])  # the 2-row bucket
 
 
 def test_other_cases_are_left_to_the_caller() -> None:
@@ -74,6 +75,7 @@ def test_other_cases_are_left_to_the_caller() -> None:
     q8 = tuple((raw, QType.Q8_0, s) for raw, _, s in parts)
     assert qmatmul.expert_mlp(q8, torch.randn(2, HIDDEN)) is None
     # The scales are read through an f16 view, which needs an even byte offset.
+    assert qmatmul.expert_mlp(parts, torch.randn(2, HIDDEN)) is not None
     odd = tuple((torch.cat([raw[:1], raw])[1:], q, s) for raw, q, s in parts)
     assert qmatmul.expert_mlp(odd, torch.randn(2, HIDDEN)) is None
 
