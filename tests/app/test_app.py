@@ -286,7 +286,13 @@ def test_api_toggle_serves_the_apps_own_engine(qtbot, env: Path) -> None:
             "max_tokens": 6,
             "temperature": 0,
         }
-        result["stats"] = httpx.get(f"{url}/stats", timeout=30).json()
+        # /stats serves the engine's newest periodic snapshot, which can predate the
+        # app's request by one interval: poll (bounded) instead of reading it once.
+        for _ in range(100):
+            result["stats"] = httpx.get(f"{url}/stats", timeout=30).json()
+            if any(r["session"] == "from the app" for r in result["stats"]["requests"]):
+                break
+            time.sleep(0.1)
         result["reply"] = httpx.post(f"{url}/chat/completions", json=body, timeout=120)
 
     t = threading.Thread(target=client)
