@@ -197,15 +197,15 @@ class SSDStore(ExpertStore):
     def finish_reads(self, ref: ExpertRef, slot: torch.Tensor, results: list[int]) -> int:
         """Check queued reads' results (bytes read, or -errno): a short read is completed
         (or zero-filled at the end of the file) the way ``read_into`` does it."""
-        view = memoryview(self._check_slot(slot).numpy())
         total = 0
         for (part, start, length, pos), got in zip(self._ranges(ref), results, strict=True):
             if got < 0:
                 raise OSError(-got, f"reading {part.path} at {start}: {os.strerror(-got)}")
-            if got < length:
+            if got < length:  # rare (end of file): the usual whole read needs no view
                 if self._direct[part.path] and start + got < self._sizes[part.path]:
                     got -= got % ALIGN  # O_DIRECT resumes at an aligned offset only
                 # Resume where the kernel stopped (end of file: zero-fill), with the checks.
+                view = memoryview(self._check_slot(slot).numpy())
                 got = self._read(part, start, view[pos : pos + length], got)
             total += got
         return total

@@ -33,8 +33,7 @@ MAX_SHAPES = 6  # distinct (type, block count) pairs compiled; each costs second
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    """The f16 field at byte ``start`` of each block (last dim), as float32 [..., 1]."""
-    return blocks[..., start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
