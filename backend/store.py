@@ -24,6 +24,7 @@ fetcher thread overlaps with the compute thread.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import sys
 from abc import ABC, abstractmethod
@@ -60,6 +61,30 @@ def _aligned_range(part: TensorRef) -> tuple[int, int]:
     return start, _round_up(part.offset + part.nbytes) - start
 
 
+HUGE_PAGE = 2 << 20
+
+
+def _huge_page_buffer(size: int) -> torch.Tensor | None:
+    """``size`` bytes of private anonymous memory, 2 MiB-aligned, that the kernel may back
+    with transparent huge pages (Linux ``madvise``); None where that is not offered.
+
+    Measured with the demo MoE (a 1-row expert kernel looping while the link reads random
+    experts at ~1,150 per second): with 4 KiB pages each O_DIRECT read pins hundreds of
+    pages, the link thread spent ~85 us of kernel time per expert, and the kernel call
+    slowed from 0.27-0.29 ms to 0.37-0.47 ms; with huge pages, 0.34-0.36 ms and ~35 us."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or size < HUGE_PAGE:
+        return None
+    try:
+        mem = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mem.madvise(advice)
+    except (OSError, ValueError, AttributeError):
+        return None
+    raw = torch.frombuffer(mem, dtype=torch.uint8)  # keeps ``mem`` mapped while in use
+    skip = -raw.data_ptr() % HUGE_PAGE
+    return raw[skip : skip + size]
+
+
 def _pinnable(pin_memory: bool) -> bool:
     # Pinning needs a CUDA context; on CPU-only machines an unpinned tensor behaves the same.
     return pin_memory and torch.cuda.is_available()
@@ -84,8 +109,13 @@ class ExpertStore(ABC):
         """Release files and memory; the store is unusable afterwards."""
 
     def alloc_slots(self, n: int, pin_memory: bool = False) -> torch.Tensor:
-        """A [n, slot_bytes] uint8 CPU tensor whose rows start ALIGN-aligned (O_DIRECT-ready)."""
+        """A [n, slot_bytes] uint8 CPU tensor whose rows start ALIGN-aligned (O_DIRECT-ready),
+        in huge pages where the system offers them (unpinned only)."""
         size = n * self.slot_bytes
+        if not _pinnable(pin_memory):
+            huge = _huge_page_buffer(size)
+            if huge is not None:
+                return huge.view(n, self.slot_bytes)
         raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=_pinnable(pin_memory))
         skip = -raw.data_ptr() % ALIGN
         # The view keeps the over-allocated storage alive.

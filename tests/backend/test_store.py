@@ -92,6 +92,40 @@ def test_layout_fits_the_slot_and_slots_are_aligned(tier: str, tiny_gguf: Path) 
             store.read_into(flat(experts)[0], slots[0, : store.slot_bytes - 1])
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds ``address`` (Linux /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not LINUX, reason="transparent huge pages are a Linux feature")
+def test_big_slot_pools_ask_for_huge_pages(tiny_gguf: Path) -> None:
+    """Slot pools of 2 MiB or more are 2 MiB-aligned and advised MADV_HUGEPAGE ("hg"), so
+    O_DIRECT reads pin few pages; small ones stay ordinary tensors. Reads still land."""
+    experts = all_refs(tiny_gguf)
+    with SSDStore(experts) as store:
+        n = -(-(4 << 20) // store.slot_bytes)
+        big = store.alloc_slots(n)
+        assert big.shape == (n, store.slot_bytes)
+        assert big.data_ptr() % (2 << 20) == 0
+        assert "hg" in _vm_flags(big.data_ptr())
+        small = store.alloc_slots(1)
+        assert small.data_ptr() % ALIGN == 0
+        ref = flat(experts)[1]
+        store.read_into(ref, big[n - 1])
+        want = store.alloc_slots(1)[0]
+        store.read_into(ref, want)
+        for o, p in zip(store.layout(ref), ref.parts, strict=True):
+            assert torch.equal(big[n - 1, o : o + p.nbytes], want[o : o + p.nbytes])
+
+
 def test_unaligned_slot_is_refused_by_o_direct(tiny_gguf: Path) -> None:
     experts = all_refs(tiny_gguf)
     with SSDStore(experts) as store:
