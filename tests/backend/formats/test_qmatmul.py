@@ -96,13 +96,15 @@ def test_warm_up_compiles_what_engine_calls_use(monkeypatch) -> None:
         views.append((slot[at : at + raw.numel()], q, s))
         at += raw.numel()
     views = tuple(views)
-    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+    compiles = qmatmul._Compiled.compiles
+    with torch.inference_mode():
         for rows in range(1, qmatmul.MAX_ROWS + 1):
             x = torch.randn(rows, HIDDEN)
             got = qmatmul.expert_mlp(views, x)
             assert got is not None, f"{rows} rows needed a new compile"
             ref = _reference(parts, x)
             assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert qmatmul._Compiled.compiles == compiles
     assert not fused.failed
 
 
