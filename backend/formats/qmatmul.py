@@ -18,10 +18,10 @@ Each row count in ``ROW_BUCKETS`` has a graph of its own, with one reduction per
 over the same blocks: Inductor fuses them into one loop that unpacks each block once for
 all rows. Other counts are zero-padded to the next bucket. Above ``MAX_ROWS`` rows,
 dequantizing once and calling BLAS is used instead. On the 2-core CPU this was measured
-on, a demo expert took about 0.27 ms (1 row), 0.31 ms (2), 0.40 ms (4) and 0.64 ms (8),
-against ~2.1 ms to dequantize it and multiply (and 0.27 / 0.5 / 0.9 / 1.7 ms with one
-dynamic-row graph that unpacked the blocks once per row). The eager SiLU between the two
-graphs costs ~0.05 ms of that per call.
+on, a demo expert took about 0.20 ms (1 row), 0.28 ms (2) and 0.53 ms (8) called as
+``_Compiled`` calls it, against ~2.1 ms to dequantize it and multiply (and 0.27 / 0.5 /
+0.9 / 1.7 ms with one dynamic-row graph that unpacked the blocks once per row). The eager
+SiLU between the two graphs costs ~0.05 ms of that per call.
 
 Like ``fastquant`` it needs a C++ compiler at run time; ``BEVY_COMPILE=0`` or a failed
 compile leaves callers on the dequantizing path.
@@ -136,8 +136,7 @@ def _graph(kind: tuple[bool, bool, bool], inner: int, hidden: int):
 
     def mlp(x, gate, up, down):
         g, u = gate_up(x, gate, up)
-        out = down_proj(F.silu(g) * u, down)
-        return out[0] if isinstance(out, list | tuple) else out
+        return down_proj(F.silu(g) * u, down)
 
     return mlp
 
