@@ -139,13 +139,14 @@ class Engine:
         self.logits_log: dict[str, list[torch.Tensor]] | None = None
 
     def _warm_up_decoders(self) -> None:
-        """Compile the fused expert decoders now (seconds, once per shape) rather than
-        while the first request waits for its first token."""
+        """Compile the fused expert decoders and dense-weight kernels now (seconds, once
+        per shape) rather than while the first request waits for its first token."""
         from backend.formats import fastquant
         from backend.formats.quants import block_shape
 
         if self.model.transformer.device.type != "cpu":
             return
+        self.model.transformer.warm_up()
         shapes = {
             (p.qtype, p.nbytes // block_shape(p.qtype)[1], block_shape(p.qtype)[1])
             for layer in self.model.experts

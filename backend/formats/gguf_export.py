@@ -22,8 +22,10 @@ _ARCH = {
     "olmoe": "olmoe",
     "qwen2_moe": "qwen2moe",
 }
-# Kept in F32 whatever the target type, as llama.cpp's converter does.
-_KEEP_F32 = ("_norm", "ffn_gate_inp", ".bias", "token_embd", "output")
+# Kept in F32 whatever the target type, as llama.cpp's converter does: tensors whose
+# names contain these, and the embedding and output head themselves (not attn_output).
+_KEEP_F32 = ("_norm", "ffn_gate_inp", ".bias")
+_KEEP_F32_NAMES = ("token_embd", "output")
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -34,7 +36,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _encode(w: np.ndarray, name: str, qtype: QType) -> tuple[np.ndarray, QType]:
-    if any(k in name for k in _KEEP_F32) or w.ndim < 2 or w.shape[-1] % 32:
+    keep = any(k in name for k in _KEEP_F32) or name.removesuffix(".weight") in _KEEP_F32_NAMES
+    if keep or w.ndim < 2 or w.shape[-1] % 32:
         return w.astype(np.float32), QType.F32
     if qtype == QType.F32:
         return w.astype(np.float32), qtype

@@ -12,6 +12,8 @@ import torch
 
 from backend.errors import ModelLoadError
 from backend.formats.gguf import GGUFFile, is_gguf, read_gguf
+from backend.formats.qmatmul import FusedWeight
+from backend.formats.quants import QType
 from backend.formats.safetensors import HFFolder, is_hf_folder, read_hf_folder
 from backend.formats.tensors import MappedFiles, TensorRef
 from backend.models import registry
@@ -230,7 +232,10 @@ def load_model(
         dense[canonical] = files.load(ref, dtype, device)
         if progress:
             progress(i + 1, len(info.dense_refs))
-    transformer = Transformer(info.config, dense, info.experts, device, dtype)
+    fused = (
+        _fused_dense(info, files, dense) if device.type == "cpu" and dtype == torch.float32 else {}
+    )
+    transformer = Transformer(info.config, dense, info.experts, device, dtype, fused)
     tokenizer = _tokenizer(info.path, info.source)
     return LoadedModel(
         info.path,
@@ -243,6 +248,32 @@ def load_model(
         info.size_bytes,
         info.dense_refs,
     )
+
+
+def _fused_dense(
+    info: ModelInfo, files: MappedFiles, dense: dict[str, torch.Tensor]
+) -> dict[str, FusedWeight]:
+    """The dense weights decoding reads most, with compiled few-row kernels (see
+    ``Transformer.qw``): each layer's q/k/v (stacked) and output projection where stored
+    as Q4_0 / Q4_1 (kept in those blocks too), and the LM head (its float copy)."""
+    refs = info.dense_refs
+
+    def part(name: str) -> tuple[torch.Tensor, QType, tuple[int, int]]:
+        ref = refs[name]
+        return files.bytes_of(ref), ref.qtype, (ref.shape[0], ref.shape[1])
+
+    out: dict[str, FusedWeight] = {}
+    for layer in range(info.config.n_layers):
+        p = f"blk.{layer}."
+        qkv = FusedWeight.stacked([part(p + n) for n in ("attn_q", "attn_k", "attn_v")])
+        if qkv is not None:
+            out[p + "attn_qkv"] = qkv
+        o = FusedWeight.stacked([part(p + "attn_output")])
+        if o is not None:
+            out[p + "attn_output"] = o
+    head = dense["token_embd" if info.config.tie_embeddings else "output"]
+    out["head"] = FusedWeight(head, QType.F32, (head.shape[0], head.shape[1]))
+    return out
 
 
 def _tokenizer(path: Path, src: GGUFFile | HFFolder) -> object | None:

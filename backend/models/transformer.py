@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from backend.formats.qmatmul import FusedWeight, dense_linear, warm_up_dense
 from backend.models.config import ModelConfig
 from backend.models.weights import ExpertRef, ExpertWeights
 
@@ -83,9 +84,13 @@ class Transformer:
         experts: list[list[ExpertRef]],
         device: torch.device,
         dtype: torch.dtype,
+        fused: dict[str, FusedWeight] | None = None,
     ) -> None:
         self.config = config
         self.w = dense
+        # Dense weights with compiled kernels for products with few rows (decoding; see
+        # ``FusedWeight``): "blk.N.attn_qkv" (q, k, v stacked), "blk.N.attn_output", "head".
+        self.qw: dict[str, FusedWeight] = dict(fused or {})
         self.experts = experts
         self.device = device
         self.dtype = dtype
@@ -97,13 +102,29 @@ class Transformer:
 
     # --- pieces -------------------------------------------------------------------------
 
+    def _qlinear(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W.T by the compiled kernel of ``name`` if it has one and x has few rows."""
+        qw = self.qw.get(name)
+        return None if qw is None else dense_linear(qw, x)
+
+    def warm_up(self) -> bool:
+        """Compile the dense weights' kernels for every row bucket they take (seconds once;
+        Inductor's disk cache makes later starts quick). True if all are ready; otherwise
+        their products run on BLAS."""
+        return all(warm_up_dense(qw) for qw in self.qw.values())
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w["token_embd"][ids]  # [T, D]
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # x [T, H, Dh], pos [T]
+    def _rope_angles(
+        self, pos: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, Dh/2] for positions ``pos`` [T] (shared by q and k)."""
         freqs = pos.float()[:, None] * self._inv_freq[None, :]  # [T, Dh/2]
-        cos, sin = freqs.cos()[:, None, :].to(x.dtype), freqs.sin()[:, None, :].to(x.dtype)
+        return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, H, Dh]
         if self.config.rope_interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
@@ -119,9 +140,15 @@ class Transformer:
         c, w, p = self.config, self.w, f"blk.{layer}."
         T = h.shape[0]
         x = rms_norm(h, w[p + "attn_norm"], c.rms_eps)
-        q, k, v = (
-            F.linear(x, w[p + n], w.get(p + n + ".bias")) for n in ("attn_q", "attn_k", "attn_v")
-        )
+        names = ("attn_q", "attn_k", "attn_v")
+        qkv = self._qlinear(p + "attn_qkv", x)
+        if qkv is None:
+            q, k, v = (F.linear(x, w[p + n], w.get(p + n + ".bias")) for n in names)
+        else:
+            kv_width = c.n_kv_heads * c.head_dim
+            q, k, v = qkv.split((c.n_heads * c.head_dim, kv_width, kv_width), -1)
+            if p + "attn_q.bias" in w:
+                q, k, v = (t + w[p + n + ".bias"] for t, n in zip((q, k, v), names, strict=True))
         if c.qk_norm == "full":
             q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
             k = rms_norm(k, w[p + "attn_k_norm"], c.rms_eps)
@@ -134,7 +161,8 @@ class Transformer:
             q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
             k = rms_norm(k, w[p + "attn_k_norm"], c.rms_eps)
         pos = torch.cat([torch.arange(s.start, s.start + s.n, device=h.device) for s in seqs])
-        q, k = self._rope(q, pos), self._rope(k, pos)
+        cos, sin = self._rope_angles(pos, q.dtype)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         out = torch.empty(T, c.n_heads, c.head_dim, dtype=h.dtype, device=h.device)
         row = 0
         rep = c.n_heads // c.n_kv_heads
@@ -145,6 +173,14 @@ class Transformer:
                 k[row : row + s.n].transpose(0, 1),
                 v[row : row + s.n].transpose(0, 1),
             )
+            if s.n == 1 and h.device.type == "cpu":
+                # Decoding: one query per head, no mask. Two batched matmuls and a softmax
+                # cost ~40 us here against ~60 us through SDPA's math path on CPU.
+                qq = q[row].view(c.n_kv_heads, rep, c.head_dim)
+                att = torch.bmm(qq, kk.transpose(1, 2)).mul_(c.head_dim**-0.5).softmax(-1)
+                out[row] = torch.bmm(att, vv).view(c.n_heads, c.head_dim)
+                row += 1
+                continue
             # Fold each kv group's query heads into its query axis: [G, rep*n, Dh]. One
             # batched SDPA over G groups is much faster on CPU than the enable_gqa path.
             qq = (
@@ -167,7 +203,9 @@ class Transformer:
                 .reshape(s.n, c.n_heads, c.head_dim)
             )
             row += s.n
-        return h + F.linear(out.reshape(T, -1), w[p + "attn_output"])
+        out = out.reshape(T, -1)
+        o = self._qlinear(p + "attn_output", out)
+        return h + (F.linear(out, w[p + "attn_output"]) if o is None else o)
 
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.w[f"blk.{layer}.ffn_norm"], self.config.rms_eps)
@@ -235,6 +273,9 @@ class Transformer:
         x = rms_norm(h, self.w["output_norm"], self.config.rms_eps)
         head = self.w["token_embd"] if self.config.tie_embeddings else self.w["output"]
         n = x.shape[0]
+        y = self._qlinear("head", x)
+        if y is not None:
+            return y.float()
         if x.device.type == "cpu" and n > 1 and n % 4:
             # The CPU BLAS is slow for some row counts against this wide matrix (SmolLM2's
             # [49152, 576] head: 24 ms for 2 rows, 36 ms for 3 or 7, 17 ms for 4 or 8):
