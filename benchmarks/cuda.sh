@@ -10,6 +10,9 @@
 # wheels the machine lacks can wait in $BEVY_WHEELS (installed with --no-deps into /tmp/site).
 # Each bench invocation is capped by $BEVY_BENCH_LIMIT seconds (default 150) so a slow one
 # cannot eat the others' time; the JSON of every invocation that finished is kept.
+# $BEVY_BENCH_CONFIGS ("workload requests caches" separated by ';'), $BEVY_BENCH_TOKENS
+# (default 64) and $BEVY_SLOT_FORMATS (space-separated, default "auto") narrow or widen
+# the sweep to fit the device time at hand.
 set -u
 stage=${1:?"usage: $0 tests|bench OUTDIR"}
 out=${2:?"usage: $0 tests|bench OUTDIR"}
@@ -40,13 +43,18 @@ bench)
     policies=bevy,sync,prefetch-gate,prefetch-history
     n=0
     # Most telling first: the balanced region at 8 requests, then more requests, then agents.
-    for cfg in "chat 8 0.1,0.3" "chat 16 0.3" "agentic 8 0.3"; do
-        set -- $cfg
-        n=$((n + 1))
-        echo "== bench $cfg" | tee -a "$out/cuda_bench.log"
-        timeout "$limit" "$py" -m backend.cli bench --device cuda --storage host \
-            --policies "$policies" --workload "$1" --requests "$2" --cache "$3" --tokens 64 \
-            --json "$out/cuda_$n.json" 2>&1 | tee -a "$out/cuda_bench.log"
+    configs=${BEVY_BENCH_CONFIGS:-"chat 8 0.1,0.3;chat 16 0.3;agentic 8 0.3"}
+    IFS=';' read -ra cfgs <<<"$configs"
+    for fmt in ${BEVY_SLOT_FORMATS:-auto}; do
+        for cfg in "${cfgs[@]}"; do
+            set -- $cfg
+            n=$((n + 1))
+            echo "== bench $cfg, slots $fmt" | tee -a "$out/cuda_bench.log"
+            timeout "$limit" "$py" -m backend.cli bench --device cuda --storage host \
+                --policies "$policies" --workload "$1" --requests "$2" --cache "$3" \
+                --tokens "${BEVY_BENCH_TOKENS:-64}" --slot-format "$fmt" \
+                --json "$out/cuda_$n.json" 2>&1 | tee -a "$out/cuda_bench.log"
+        done
     done
     ;;
 *)

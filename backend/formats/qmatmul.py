@@ -1,4 +1,6 @@
-"""A routed expert's MLP computed straight from its quantized blocks (CPU, few rows).
+"""Products with few rows (decoding) by compiled kernels: a routed expert's MLP straight
+from its quantized blocks, and dense weights (``FusedWeight``: attention projections from
+their Q4 blocks, the float32 LM head) where CPU BLAS is slow for a few rows.
 
 Decoding tokens reach each expert one or two rows at a time. Dequantizing the whole
 expert for them (three float32 matrices written and read back, ~10 MB for a demo

@@ -254,7 +254,7 @@ def _fused_dense(
     info: ModelInfo, files: MappedFiles, dense: dict[str, torch.Tensor]
 ) -> dict[str, FusedWeight]:
     """The dense weights decoding reads most, with compiled few-row kernels (see
-    ``Transformer.qw``): each layer's q/k/v (stacked) and output projection where stored
+    ``Transformer.fused``): each layer's q/k/v (stacked) and output projection where stored
     as Q4_0 / Q4_1 (kept in those blocks too), and the LM head (its float copy)."""
     refs = info.dense_refs
 

@@ -90,7 +90,7 @@ class Transformer:
         self.w = dense
         # Dense weights with compiled kernels for products with few rows (decoding; see
         # ``FusedWeight``): "blk.N.attn_qkv" (q, k, v stacked), "blk.N.attn_output", "head".
-        self.qw: dict[str, FusedWeight] = dict(fused or {})
+        self.fused: dict[str, FusedWeight] = dict(fused or {})
         self.experts = experts
         self.device = device
         self.dtype = dtype
@@ -102,16 +102,16 @@ class Transformer:
 
     # --- pieces -------------------------------------------------------------------------
 
-    def _qlinear(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
+    def _fused_linear(self, name: str, x: torch.Tensor) -> torch.Tensor | None:
         """x @ W.T by the compiled kernel of ``name`` if it has one and x has few rows."""
-        qw = self.qw.get(name)
-        return None if qw is None else dense_linear(qw, x)
+        w = self.fused.get(name)
+        return None if w is None else dense_linear(w, x)
 
     def warm_up(self) -> bool:
         """Compile the dense weights' kernels for every row bucket they take (seconds once;
         Inductor's disk cache makes later starts quick). True if all are ready; otherwise
         their products run on BLAS."""
-        return all(warm_up_dense(qw) for qw in self.qw.values())
+        return all(warm_up_dense(w) for w in self.fused.values())
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w["token_embd"][ids]  # [T, D]
@@ -141,7 +141,7 @@ class Transformer:
         T = h.shape[0]
         x = rms_norm(h, w[p + "attn_norm"], c.rms_eps)
         names = ("attn_q", "attn_k", "attn_v")
-        qkv = self._qlinear(p + "attn_qkv", x)
+        qkv = self._fused_linear(p + "attn_qkv", x)
         if qkv is None:
             q, k, v = (F.linear(x, w[p + n], w.get(p + n + ".bias")) for n in names)
         else:
@@ -173,7 +173,7 @@ class Transformer:
                 k[row : row + s.n].transpose(0, 1),
                 v[row : row + s.n].transpose(0, 1),
             )
-            if s.n == 1 and h.device.type == "cpu":
+            if s.n == 1 and h.device.type == "cpu" and h.dtype == torch.float32:
                 # Decoding: one query per head, no mask. Two batched matmuls and a softmax
                 # cost ~40 us here against ~60 us through SDPA's math path on CPU.
                 qq = q[row].view(c.n_kv_heads, rep, c.head_dim)
@@ -204,7 +204,7 @@ class Transformer:
             )
             row += s.n
         out = out.reshape(T, -1)
-        o = self._qlinear(p + "attn_output", out)
+        o = self._fused_linear(p + "attn_output", out)
         return h + (F.linear(out, w[p + "attn_output"]) if o is None else o)
 
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -273,7 +273,7 @@ class Transformer:
         x = rms_norm(h, self.w["output_norm"], self.config.rms_eps)
         head = self.w["token_embd"] if self.config.tie_embeddings else self.w["output"]
         n = x.shape[0]
-        y = self._qlinear("head", x)
+        y = self._fused_linear("head", x)
         if y is not None:
             return y.float()
         if x.device.type == "cpu" and n > 1 and n % 4:

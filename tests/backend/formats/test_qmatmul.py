@@ -1,4 +1,5 @@
-"""The fused quantized expert MLP computes what dequantize-then-matmul computes."""
+"""The fused quantized expert MLP and the dense few-row kernels compute what
+dequantize-then-matmul (or float32 BLAS) computes."""
 
 from __future__ import annotations
 
@@ -216,10 +217,10 @@ def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch
     model = load_model(path)
     t = model.transformer
     c = model.config
-    assert set(t.qw) == {
+    assert set(t.fused) == {
         f"blk.{i}.{n}" for i in range(c.n_layers) for n in ("attn_qkv", "attn_output")
     } | {"head"}
-    assert t.qw["blk.0.attn_qkv"].shape == (
+    assert t.fused["blk.0.attn_qkv"].shape == (
         (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
         c.hidden_size,
     )
@@ -235,6 +236,6 @@ def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch
     monkeypatch.setattr(transformer_mod, "dense_linear", counting)
     _, fused = greedy_logits(model, [3, 17, 42, 5], steps=6)
     assert sum(calls) >= 6 * (2 * c.n_layers + 1)  # every decode step: qkv, output, head
-    t.qw = {}
+    t.fused = {}
     _, plain = greedy_logits(model, [3, 17, 42, 5], steps=6)
     assert (fused - plain).abs().max().item() <= 1e-4

@@ -90,8 +90,8 @@ def test_gguf_quantized_matches_oracle_dequantizer(
     _, ours = greedy_logits(model, PROMPT, steps=8)
     # The same file, every weight dequantized by the gguf package's numpy code instead,
     # and every product in float32 (``ours`` decoded through the fused dense kernels).
-    assert model.transformer.qw
-    model.transformer.qw = {}
+    assert model.transformer.fused
+    model.transformer.fused = {}
     for name, ref in model.dense_refs.items():
         model.transformer.w[name] = _oracle(ref)
 
