@@ -1,6 +1,5 @@
-"""Products with few rows (decoding) by compiled kernels: a routed expert's MLP straight
-from its quantized blocks, and dense weights (``FusedWeight``: attention projections from
-their Q4 blocks, the float32 LM head) where CPU BLAS is slow for a few rows.
+"""A routed expert's MLP computed straight from its quantized blocks (CPU, few rows).
+``backend.formats.dense_kernels`` uses the same graphs for dense weights.
 
 Decoding tokens reach each expert one or two rows at a time. Dequantizing the whole
 expert for them (three float32 matrices written and read back, ~10 MB for a demo
@@ -18,15 +17,15 @@ output does not depend on its batch-mates.
 
 Each row count in ``ROW_BUCKETS`` has a graph of its own, with one reduction per row
 over the same blocks: Inductor fuses them into one loop that unpacks each block once for
-all rows. Other counts are zero-padded to the next bucket. Above ``MAX_ROWS`` rows,
-dequantizing once and calling BLAS is used instead. On the 2-core CPU this was measured
+all rows. Other counts are zero-padded to the next bucket. Above ``MAX_ROWS`` rows, an
+expert is dequantized once and multiplied by BLAS instead. On the 2-core CPU this was measured
 on, a demo expert took about 0.20 ms (1 row), 0.28 ms (2) and 0.53 ms (8) called as
 ``_Compiled`` calls it, against ~2.1 ms to dequantize it and multiply (and 0.27 / 0.5 /
 0.9 / 1.7 ms with one dynamic-row graph that unpacked the blocks once per row). The eager
 SiLU between the two graphs costs ~0.05 ms of that per call.
 
 Like ``fastquant`` it needs a C++ compiler at run time; ``BEVY_COMPILE=0`` or a failed
-compile leaves callers on the dequantizing path.
+compile leaves callers on the dequantizing path (experts) or float32 BLAS (dense weights).
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ class _Compiled:
     Through ``torch.compile`` the same kernels cost 60-80 us more per expert call (two
     graphs), about a quarter of a one-row demo expert (0.26 -> 0.20 ms; 8 rows 0.61 ->
     0.53 ms; results bit-identical). Shapes are the only key: callers pass contiguous
-    float32 rows, padded to a bucket, and the slot parts of one kind. Inductor's on-disk
+    float32 rows, padded to a bucket, and weights (slot parts, dense blocks) of one kind. Inductor's on-disk
     cache keeps later processes' compiles to a fraction of a second."""
 
     compiles = 0  # in this process, all instances (the tests check warm-up covers calls)
@@ -213,124 +212,6 @@ def expert_mlp(parts: tuple[Part, Part, Part], x: torch.Tensor) -> torch.Tensor 
     if x.shape[0] > MAX_ROWS:
         return None
     return _FUSED(parts, x)
-
-
-# --- dense weights (attention projections, the LM head) -------------------------------
-
-
-class FusedWeight:
-    """A dense weight [n, k] with compiled kernels for products with few rows (decoding).
-
-    Q4_0 / Q4_1 weights are kept in their stored blocks beside the float32 copy the model
-    already has (4-6x fewer bytes to read per product; a demo layer's q/k/v + output
-    projections at one row: ~0.09 ms against ~0.3 ms in float32, cycling through all
-    layers). Other types use the float32 tensor itself: CPU BLAS handles a few rows
-    against a wide matrix badly (SmolLM2's [49152, 576] head: 10 ms for 1 row, 18-39 ms
-    for 2-8), the compiled graph reads the matrix once for all rows (4.4 ms for 1 row,
-    5.3 ms for 4, 11 ms for 8). Weights of one type and width may be stacked along n
-    (q, k, v: one call)."""
-
-    def __init__(self, data: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> None:
-        n, k = shape
-        if qtype == QType.F32:
-            if data.dtype != torch.float32 or tuple(data.shape) != (n, k):
-                raise ValueError(
-                    f"expected a float32 [{n}, {k}] tensor, got {data.dtype} {tuple(data.shape)}"
-                )
-            self.data = data.contiguous()  # the model's own float copy: no extra memory
-        else:
-            if qtype not in FUSABLE or k % 32:
-                raise ValueError(f"no fused kernel for a {qtype.name} weight of shape {shape}")
-            if data.dtype != torch.uint8 or data.numel() != n * k // 32 * block_shape(qtype)[1]:
-                raise ValueError(
-                    f"{data.numel()} bytes do not hold a {qtype.name} weight of shape {shape}"
-                )
-            # An own copy: file maps may sit at odd offsets, and the f16 view needs even.
-            self.data = data.reshape(-1).clone()
-        self.qtype, self.shape = qtype, (n, k)
-
-    @classmethod
-    def stacked(
-        cls, parts: list[tuple[torch.Tensor, QType, tuple[int, int]]]
-    ) -> FusedWeight | None:
-        """Quantized weights of one type and width stacked along n, or None if they differ
-        or have no fused kernel."""
-        qtypes, widths = {q for _, q, _ in parts}, {s[1] for _, _, s in parts}
-        if len(qtypes) != 1 or len(widths) != 1:
-            return None
-        qtype, k = qtypes.pop(), widths.pop()
-        if qtype not in FUSABLE or k % 32:
-            return None
-        n = sum(s[0] for _, _, s in parts)
-        return cls(torch.cat([r.reshape(-1) for r, _, _ in parts]), qtype, (n, k))
-
-
-def _float_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, k] @ w.T with one reduction per row, which Inductor fuses into one pass over w."""
-    return torch.stack([(w * x[i]).sum(-1) for i in range(x.shape[0])])
-
-
-class _Dense:
-    """Compiled graphs per (type, shape) of weight; the row buckets key them further."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.fns: dict[tuple, _Compiled] = {}
-        self.failed = os.environ.get("BEVY_COMPILE", "1") == "0"
-
-    def _fn(self, w: FusedWeight) -> _Compiled:
-        key = (w.qtype, w.shape)
-        fn = self.fns.get(key)
-        if fn is None:
-            with self.lock:
-                fn = self.fns.get(key)
-                if fn is None:
-                    n, k = w.shape
-                    q4_1 = w.qtype == QType.Q4_1
-                    fn = _Compiled(
-                        _float_rows
-                        if w.qtype == QType.F32
-                        else lambda x, raw: _linear(x, raw, q4_1, n, k)
-                    )
-                    self.fns[key] = fn
-        return fn
-
-    def __call__(self, w: FusedWeight, x: torch.Tensor) -> torch.Tensor | None:
-        m = x.shape[0]
-        if (
-            self.failed
-            or m > MAX_ROWS
-            or x.device.type != "cpu"
-            or x.dtype != torch.float32
-            or x.dim() != 2
-        ):
-            return None
-        fn = self._fn(w)
-        if m not in ROW_BUCKETS:
-            x = F.pad(x, (0, 0, 0, next(b for b in ROW_BUCKETS if b > m) - m))
-        try:
-            with torch.inference_mode():
-                return fn(x.contiguous(), w.data)[:m]
-        except Exception as exc:  # no C++ compiler, an Inductor limitation: BLAS instead
-            self.failed = True
-            log.warning("compiled dense kernels unavailable, using BLAS: %s", exc)
-            return None
-
-
-_DENSE = _Dense()
-
-
-def dense_linear(w: FusedWeight, x: torch.Tensor) -> torch.Tensor | None:
-    """x [M, k] @ W.T by ``w``'s compiled kernel, or None where the caller must use BLAS on
-    its float copy (more than ``MAX_ROWS`` rows, not a float32 CPU tensor, no compiler).
-    Each row is reduced on its own, so a row's result does not depend on its batch-mates."""
-    return _DENSE(w, x)
-
-
-@torch.inference_mode()
-def warm_up_dense(w: FusedWeight) -> bool:
-    """Compile every row bucket ``dense_linear`` will take for ``w``. True if ready."""
-    return all(dense_linear(w, torch.zeros(m, w.shape[1])) is not None for m in ROW_BUCKETS)
 
 
 @torch.inference_mode()

@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from backend.errors import ModelLoadError
+from backend.formats.dense_kernels import FusedWeight
 from backend.formats.gguf import GGUFFile, is_gguf, read_gguf
-from backend.formats.qmatmul import FusedWeight
+from backend.formats.qmatmul import FUSABLE
 from backend.formats.quants import QType
 from backend.formats.safetensors import HFFolder, is_hf_folder, read_hf_folder
 from backend.formats.tensors import MappedFiles, TensorRef
@@ -265,7 +266,10 @@ def _fused_dense(
     out: dict[str, FusedWeight] = {}
     for layer in range(info.config.n_layers):
         p = f"blk.{layer}."
-        qkv = FusedWeight.stacked([part(p + n) for n in ("attn_q", "attn_k", "attn_v")])
+        names = [p + n for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        if not any(refs[n].qtype in FUSABLE for n in names):
+            continue
+        qkv = FusedWeight.stacked([part(n) for n in names[:3]])
         if qkv is not None:
             out[p + "attn_qkv"] = qkv
         o = FusedWeight.stacked([part(p + "attn_output")])

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from backend.formats.qmatmul import FusedWeight, dense_linear, warm_up_dense
+from backend.formats.dense_kernels import FusedWeight, dense_linear, warm_up_dense
 from backend.models.config import ModelConfig
 from backend.models.weights import ExpertRef, ExpertWeights
 
@@ -147,8 +147,8 @@ class Transformer:
         else:
             kv_width = c.n_kv_heads * c.head_dim
             q, k, v = qkv.split((c.n_heads * c.head_dim, kv_width, kv_width), -1)
-            if p + "attn_q.bias" in w:
-                q, k, v = (t + w[p + n + ".bias"] for t, n in zip((q, k, v), names, strict=True))
+            biases = [w.get(p + n + ".bias") for n in names]
+            q, k, v = (t if b is None else t + b for t, b in zip((q, k, v), biases, strict=True))
         if c.qk_norm == "full":
             q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
             k = rms_norm(k, w[p + "attn_k_norm"], c.rms_eps)
@@ -277,7 +277,8 @@ class Transformer:
         if y is not None:
             return y.float()
         if x.device.type == "cpu" and n > 1 and n % 4:
-            # The CPU BLAS is slow for some row counts against this wide matrix (SmolLM2's
+            # Without the compiled kernel (more rows than it takes, or no compiler): the
+            # CPU BLAS is slow for some row counts against this wide matrix (SmolLM2's
             # [49152, 576] head: 24 ms for 2 rows, 36 ms for 3 or 7, 17 ms for 4 or 8):
             # padding with zero rows to a multiple of 4 is faster.
             x = torch.cat([x, x.new_zeros(4 - n % 4, x.shape[1])])

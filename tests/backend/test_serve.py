@@ -266,11 +266,19 @@ def test_embedded_server_answers_429_when_the_queue_is_full(tiny_chat_moe: Path)
     handle = start_server(service, port=0, max_queue=1)
     try:
         assert handle.port != 0 and handle.url.startswith("http://127.0.0.1:")
-        body = {"messages": [{"role": "user", "content": PROMPT}], "stream": True, **LONG}
+        # Up to the tiny model's whole context (8192): with fast decoding a 4000-token
+        # request once ended before the second request arrived on a loaded machine.
+        body = {
+            "messages": [{"role": "user", "content": PROMPT}],
+            "stream": True,
+            **LONG,
+            "max_tokens": 8000,
+        }
         url = f"{handle.url}/v1/chat/completions"
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", url, json=body) as r:
                 next(line for line in r.iter_lines() if line.startswith("data: "))
+                assert service.active == 1, "the first request ended before the second came"
                 busy = http.post(url, json={**body, "stream": False})
                 assert busy.status_code == 429
                 assert busy.json()["error"]["code"] == "rate_limit_exceeded"

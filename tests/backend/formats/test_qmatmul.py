@@ -1,5 +1,4 @@
-"""The fused quantized expert MLP and the dense few-row kernels compute what
-dequantize-then-matmul (or float32 BLAS) computes."""
+"""The fused quantized expert MLP computes what dequantize-then-matmul computes."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from backend.engine import Engine
 from backend.formats import qmatmul
 from backend.formats.gguf_export import write_gguf
 from backend.formats.quants import QType, block_shape, dequantize
-from backend.models import transformer as transformer_mod
 from backend.models.loader import load_model
 from tests.backend.models.test_parity import greedy_logits
 from tests.backend.models.tiny import make_tiny
@@ -158,84 +156,3 @@ def test_engine_on_q4_experts_matches_plain_generation(
     finally:
         eng.close()
     assert any(fused), "decode steps never took the fused path"
-
-
-# --- dense weights --------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0, QType.F32], ids=["q4_1", "q4_0", "f32"])
-@pytest.mark.parametrize("rows", [1, 3, qmatmul.MAX_ROWS])
-def test_dense_kernel_equals_float_matmul(qtype: QType, rows: int) -> None:
-    n, k = 160, HIDDEN
-    if qtype == QType.F32:
-        w = qmatmul.FusedWeight(torch.randn(n, k), qtype, (n, k))
-        ref_w = w.data
-    else:
-        raw = _raw(qtype, n, k, seed=rows)
-        w = qmatmul.FusedWeight(raw, qtype, (n, k))
-        ref_w = dequantize(raw, qtype, (n, k))
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    got = qmatmul.dense_linear(w, x)
-    assert got is not None, "the compiled path did not run (no C++ compiler?)"
-    ref = F.linear(x, ref_w)
-    assert got.shape == ref.shape
-    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    # Each row is reduced on its own: alone or in any batch, bit for bit the same.
-    for i in range(rows):
-        assert torch.equal(qmatmul.dense_linear(w, x[i : i + 1])[0], got[i])
-
-
-def test_stacked_weights_are_one_product() -> None:
-    parts = [(_raw(QType.Q4_1, n, HIDDEN, seed=n), QType.Q4_1, (n, HIDDEN)) for n in (64, 32, 32)]
-    w = qmatmul.FusedWeight.stacked(parts)
-    assert w is not None and w.shape == (128, HIDDEN)
-    x = torch.randn(2, HIDDEN)
-    got = qmatmul.dense_linear(w, x)
-    ref = torch.cat([F.linear(x, dequantize(raw, q, s)) for raw, q, s in parts], -1)
-    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    # Types or widths that differ, or a type without a kernel: no stacked weight.
-    mixed = [parts[0], (_raw(QType.Q4_0, 32, HIDDEN, seed=1), QType.Q4_0, (32, HIDDEN))]
-    assert qmatmul.FusedWeight.stacked(mixed) is None
-    q8 = [(torch.zeros(32 * HIDDEN // 32 * 34, dtype=torch.uint8), QType.Q8_0, (32, HIDDEN))]
-    assert qmatmul.FusedWeight.stacked(q8) is None
-    with pytest.raises(ValueError):
-        qmatmul.FusedWeight(parts[0][0][:-1], QType.Q4_1, (64, HIDDEN))
-
-
-def test_dense_products_with_many_rows_are_left_to_blas() -> None:
-    w = qmatmul.FusedWeight(torch.randn(64, HIDDEN), QType.F32, (64, HIDDEN))
-    assert qmatmul.dense_linear(w, torch.randn(qmatmul.MAX_ROWS + 1, HIDDEN)) is None
-    assert qmatmul.dense_linear(w, torch.randn(2, HIDDEN, dtype=torch.float64)) is None
-
-
-def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch) -> None:
-    """A Q4_1 file gets stacked q/k/v, output and head kernels; decoding through them
-    gives what float32 BLAS on the same weights gives."""
-    path = write_gguf(
-        load_model(make_tiny("llama", tmp_path / "llama")), tmp_path / "m.gguf", QType.Q4_1
-    )
-    model = load_model(path)
-    t = model.transformer
-    c = model.config
-    assert set(t.fused) == {
-        f"blk.{i}.{n}" for i in range(c.n_layers) for n in ("attn_qkv", "attn_output")
-    } | {"head"}
-    assert t.fused["blk.0.attn_qkv"].shape == (
-        (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
-        c.hidden_size,
-    )
-    assert t.warm_up()
-    calls = []
-    real = qmatmul.dense_linear
-
-    def counting(w, x):
-        out = real(w, x)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(transformer_mod, "dense_linear", counting)
-    _, fused = greedy_logits(model, [3, 17, 42, 5], steps=6)
-    assert sum(calls) >= 6 * (2 * c.n_layers + 1)  # every decode step: qkv, output, head
-    t.fused = {}
-    _, plain = greedy_logits(model, [3, 17, 42, 5], steps=6)
-    assert (fused - plain).abs().max().item() <= 1e-4

@@ -1,0 +1,132 @@
+"""The dense few-row kernels compute what float32 BLAS computes on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.formats import dense_kernels, qmatmul
+from backend.formats.gguf_export import write_gguf
+from backend.formats.quants import QType, dequantize
+from backend.models import transformer as transformer_mod
+from backend.models.loader import load_model
+from tests.backend.formats.test_qmatmul import HIDDEN, _raw
+from tests.backend.models.test_parity import greedy_logits
+from tests.backend.models.tiny import make_tiny
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0, QType.F32], ids=["q4_1", "q4_0", "f32"])
+@pytest.mark.parametrize("rows", [1, 3, qmatmul.MAX_ROWS])
+def test_dense_kernel_equals_float_matmul(qtype: QType, rows: int) -> None:
+    n, k = 160, HIDDEN
+    if qtype == QType.F32:
+        w = dense_kernels.FusedWeight(torch.randn(n, k), qtype, (n, k))
+        ref_w = w.data
+    else:
+        raw = _raw(qtype, n, k, seed=rows)
+        w = dense_kernels.FusedWeight(raw, qtype, (n, k))
+        ref_w = dequantize(raw, qtype, (n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = dense_kernels.dense_linear(w, x)
+    assert got is not None, "the compiled path did not run (no C++ compiler?)"
+    ref = F.linear(x, ref_w)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    # Each row is reduced on its own: alone or in any batch, bit for bit the same.
+    for i in range(rows):
+        assert torch.equal(dense_kernels.dense_linear(w, x[i : i + 1])[0], got[i])
+
+
+def test_stacked_weights_are_one_product() -> None:
+    parts = [(_raw(QType.Q4_1, n, HIDDEN, seed=n), QType.Q4_1, (n, HIDDEN)) for n in (64, 32, 32)]
+    w = dense_kernels.FusedWeight.stacked(parts)
+    assert w is not None and w.shape == (128, HIDDEN)
+    x = torch.randn(2, HIDDEN)
+    got = dense_kernels.dense_linear(w, x)
+    ref = torch.cat([F.linear(x, dequantize(raw, q, s)) for raw, q, s in parts], -1)
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    # Types or widths that differ, or a type without a kernel: no stacked weight.
+    mixed = [parts[0], (_raw(QType.Q4_0, 32, HIDDEN, seed=1), QType.Q4_0, (32, HIDDEN))]
+    assert dense_kernels.FusedWeight.stacked(mixed) is None
+    q8 = [(torch.zeros(32 * HIDDEN // 32 * 34, dtype=torch.uint8), QType.Q8_0, (32, HIDDEN))]
+    assert dense_kernels.FusedWeight.stacked(q8) is None
+    with pytest.raises(ValueError):
+        dense_kernels.FusedWeight(parts[0][0][:-1], QType.Q4_1, (64, HIDDEN))
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.F32], ids=["q4_1", "f32"])
+def test_decoding_batches_are_chunked_and_rows_stay_independent(qtype: QType) -> None:
+    """Up to DENSE_MAX_ROWS rows go through the kernel in chunks: any row comes out bit
+    for bit as it does alone, in a batch of any size (a wide weight whose n is not a
+    multiple of the vector width, like a vocabulary)."""
+    n, k = 1001, 576
+    g = torch.Generator().manual_seed(5)
+    if qtype == QType.F32:
+        w = dense_kernels.FusedWeight(torch.randn(n, k, generator=g), qtype, (n, k))
+        ref_w = w.data
+    else:
+        raw = _raw(qtype, n, k, seed=5)
+        w = dense_kernels.FusedWeight(raw, qtype, (n, k))
+        ref_w = dequantize(raw, qtype, (n, k))
+    x = torch.randn(21, k, generator=g)
+    whole = dense_kernels.dense_linear(w, x)
+    assert whole is not None and whole.shape == (21, n)
+    ref = F.linear(x, ref_w)
+    assert (whole - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for lo, hi in ((0, 1), (3, 4), (20, 21), (5, 8), (9, 20)):
+        assert torch.equal(dense_kernels.dense_linear(w, x[lo:hi]), whole[lo:hi])
+
+
+def test_other_dense_cases_are_left_to_blas(monkeypatch) -> None:
+    dense = dense_kernels._Dense()
+    monkeypatch.setattr(dense_kernels, "_DENSE", dense)
+    w = dense_kernels.FusedWeight(torch.randn(64, HIDDEN), QType.F32, (64, HIDDEN))
+    assert (
+        dense_kernels.dense_linear(w, torch.randn(dense_kernels.DENSE_MAX_ROWS + 1, HIDDEN)) is None
+    )
+    assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN, dtype=torch.float64)) is None
+    assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN + 32)) is None  # wrong width
+    assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN)) is not None
+    # A kernel that fails leaves its own kind of weight to BLAS, not the others.
+    other = dense_kernels.FusedWeight(torch.randn(96, HIDDEN), QType.F32, (96, HIDDEN))
+    monkeypatch.setattr(dense, "_fn", lambda w: None)  # calling None raises
+    assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
+    assert (QType.F32, (96, HIDDEN)) in dense.broken
+    monkeypatch.undo()
+    monkeypatch.setattr(dense_kernels, "_DENSE", dense)
+    assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN)) is not None
+    assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
+
+
+def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch) -> None:
+    """A Q4_1 file gets stacked q/k/v, output and head kernels; decoding through them
+    gives what float32 BLAS on the same weights gives."""
+    path = write_gguf(
+        load_model(make_tiny("llama", tmp_path / "llama")), tmp_path / "m.gguf", QType.Q4_1
+    )
+    model = load_model(path)
+    t = model.transformer
+    c = model.config
+    assert set(t.fused) == {
+        f"blk.{i}.{n}" for i in range(c.n_layers) for n in ("attn_qkv", "attn_output")
+    } | {"head"}
+    assert t.fused["blk.0.attn_qkv"].shape == (
+        (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
+        c.hidden_size,
+    )
+    assert t.warm_up()
+    calls = []
+    real = dense_kernels.dense_linear
+
+    def counting(w, x):
+        out = real(w, x)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(transformer_mod, "dense_linear", counting)
+    _, fused = greedy_logits(model, [3, 17, 42, 5], steps=6)
+    assert sum(calls) >= 6 * (2 * c.n_layers + 1)  # every decode step: qkv, output, head
+    t.fused = {}
+    _, plain = greedy_logits(model, [3, 17, 42, 5], steps=6)
+    assert (fused - plain).abs().max().item() <= 1e-4
