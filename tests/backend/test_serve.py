@@ -266,22 +266,21 @@ def test_embedded_server_answers_429_when_the_queue_is_full(tiny_chat_moe: Path)
     handle = start_server(service, port=0, max_queue=1)
     try:
         assert handle.port != 0 and handle.url.startswith("http://127.0.0.1:")
-        # Up to the tiny model's whole context (8192): with fast decoding a 4000-token
-        # request once ended before the second request arrived on a loaded machine.
-        body = {
-            "messages": [{"role": "user", "content": PROMPT}],
-            "stream": True,
-            **LONG,
-            "max_tokens": 8000,
-        }
+        # The queue's one place is taken by a long request submitted on the service itself
+        # (the app's own sessions share it); the API must then answer 429.
+        from backend.config import SamplingParams
+        from backend.messages import Submit
+
+        body = {"messages": [{"role": "user", "content": PROMPT}], "stream": False, **LONG}
         url = f"{handle.url}/v1/chat/completions"
+        long = Submit("app-1", SamplingParams(**LONG), messages=body["messages"])
+        service.submit(long, lambda ev: None)
         with httpx.Client(timeout=60) as http:
-            with http.stream("POST", url, json=body) as r:
-                next(line for line in r.iter_lines() if line.startswith("data: "))
-                assert service.active == 1, "the first request ended before the second came"
-                busy = http.post(url, json={**body, "stream": False})
-                assert busy.status_code == 429
-                assert busy.json()["error"]["code"] == "rate_limit_exceeded"
+            assert service.active == 1
+            busy = http.post(url, json=body)
+            assert busy.status_code == 429
+            assert busy.json()["error"]["code"] == "rate_limit_exceeded"
+            service.abort("app-1")
             deadline = time.monotonic() + 10
             while service.active:
                 assert time.monotonic() < deadline
