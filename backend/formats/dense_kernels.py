@@ -15,9 +15,8 @@ import os
 import threading
 
 import torch
-import torch.nn.functional as F
 
-from backend.formats.qmatmul import FUSABLE, MAX_ROWS, ROW_BUCKETS, _Compiled, _linear
+from backend.formats.qmatmul import FUSABLE, MAX_ROWS, ROW_BUCKETS, _Compiled, _linear, pad_rows
 from backend.formats.quants import QType, block_shape
 
 log = logging.getLogger(__name__)
@@ -77,6 +76,21 @@ def _float_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.stack([(w * x[i]).sum(-1) for i in range(x.shape[0])])
 
 
+def _q4_rows(x: torch.Tensor, raw: torch.Tensor, q4_1: bool) -> torch.Tensor:
+    """x [M, k] @ W.T for W [n, k] in Q4 blocks (n follows from the byte count)."""
+    k = x.shape[1]
+    n = raw.numel() // (k // 32 * (20 if q4_1 else 18))
+    return _linear(x, raw, q4_1, n, k)
+
+
+# One kernel per weight type; ``_Compiled`` keeps a graph per shape (weight, row bucket).
+_KERNELS = {
+    QType.F32: _Compiled(_float_rows),
+    QType.Q4_0: _Compiled(lambda x, raw: _q4_rows(x, raw, False)),
+    QType.Q4_1: _Compiled(lambda x, raw: _q4_rows(x, raw, True)),
+}
+
+
 # Dense products with up to this many rows (decoding batches) run through the kernels in
 # chunks of ``MAX_ROWS``: a row's result is then the same in any such batch. More rows
 # (prefill) go to BLAS, which is faster there.
@@ -84,32 +98,13 @@ DENSE_MAX_ROWS = 64
 
 
 class _Dense:
-    """Compiled graphs per (type, shape) of weight; the row buckets key them further. A
-    kernel that fails (no C++ compiler, an Inductor limitation) leaves that weight kind to
-    BLAS; the others keep theirs."""
+    """A kernel that fails (no C++ compiler, an Inductor limitation) leaves that kind of
+    weight (type, shape) to BLAS; the others keep theirs."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.fns: dict[tuple, _Compiled] = {}
         self.broken: set[tuple] = set()
         self.failed = os.environ.get("BEVY_COMPILE", "1") == "0"
-
-    def _fn(self, w: FusedWeight) -> _Compiled:
-        key = (w.qtype, w.shape)
-        fn = self.fns.get(key)
-        if fn is None:
-            with self.lock:
-                fn = self.fns.get(key)
-                if fn is None:
-                    n, k = w.shape
-                    q4_1 = w.qtype == QType.Q4_1
-                    fn = _Compiled(
-                        _float_rows
-                        if w.qtype == QType.F32
-                        else lambda x, raw: _linear(x, raw, q4_1, n, k)
-                    )
-                    self.fns[key] = fn
-        return fn
 
     def __call__(self, w: FusedWeight, x: torch.Tensor) -> torch.Tensor | None:
         if (
@@ -124,17 +119,13 @@ class _Dense:
         key = (w.qtype, w.shape)
         if key in self.broken:
             return None
-        fn = self._fn(w)
+        fn = _KERNELS[w.qtype]
         try:
             with torch.inference_mode():
-                outs = []
-                for i in range(0, x.shape[0], MAX_ROWS):
-                    chunk = x[i : i + MAX_ROWS]
-                    m = chunk.shape[0]
-                    if m not in ROW_BUCKETS:
-                        pad = next(b for b in ROW_BUCKETS if b > m) - m
-                        chunk = F.pad(chunk, (0, 0, 0, pad))
-                    outs.append(fn(chunk.contiguous(), w.data)[:m])
+                outs = [
+                    fn(pad_rows(x[i : i + MAX_ROWS]), w.data)[: min(MAX_ROWS, x.shape[0] - i)]
+                    for i in range(0, x.shape[0], MAX_ROWS)
+                ]
                 return outs[0] if len(outs) == 1 else torch.cat(outs)
         except Exception as exc:  # no C++ compiler, an Inductor limitation: BLAS instead
             with self.lock:

@@ -87,6 +87,14 @@ def _linear(x: torch.Tensor, raw: torch.Tensor, q4_1: bool, n: int, k: int) -> t
     return torch.stack(rows)  # [M, n]
 
 
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M <= MAX_ROWS, k] zero-padded to its row bucket, contiguous."""
+    m = x.shape[0]
+    if m not in ROW_BUCKETS:
+        x = F.pad(x, (0, 0, 0, next(b for b in ROW_BUCKETS if b > m) - m))
+    return x.contiguous()
+
+
 class _Compiled:
     """``fn`` compiled by Inductor once per input shape, from the graph ``make_fx`` traces
     with fake tensors, and called directly: no Dynamo frame hook or guards per call.
@@ -190,12 +198,10 @@ class _Fused:
         if any(raw.storage_offset() % 2 for raw, _, _ in parts):
             return None  # the scales' f16 view needs even offsets
         m = x.shape[0]
-        if m not in ROW_BUCKETS:
-            x = F.pad(x, (0, 0, 0, next(b for b in ROW_BUCKETS if b > m) - m))
         try:
             # Always in inference mode, as the warm-up traced and compiled it.
             with torch.inference_mode():
-                return fn(x.contiguous(), parts[0][0], parts[1][0], parts[2][0])[:m]
+                return fn(pad_rows(x), parts[0][0], parts[1][0], parts[2][0])[:m]
         except Exception as exc:  # no C++ compiler, an Inductor limitation: dequantize instead
             self.failed = True
             log.warning("fused quantized expert MLP unavailable, dequantizing: %s", exc)

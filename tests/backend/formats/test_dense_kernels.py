@@ -14,6 +14,7 @@ from backend.models.loader import load_model
 from tests.backend.formats.test_qmatmul import HIDDEN, _raw
 from tests.backend.models.test_parity import greedy_logits
 from tests.backend.models.tiny import make_tiny
+from tests.backend.spy import spy
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0, QType.F32], ids=["q4_1", "q4_0", "f32"])
@@ -90,7 +91,7 @@ def test_other_dense_cases_are_left_to_blas(monkeypatch) -> None:
     assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN)) is not None
     # A kernel that fails leaves its own kind of weight to BLAS, not the others.
     other = dense_kernels.FusedWeight(torch.randn(96, HIDDEN), QType.F32, (96, HIDDEN))
-    monkeypatch.setattr(dense, "_fn", lambda w: None)  # calling None raises
+    monkeypatch.setitem(dense_kernels._KERNELS, QType.F32, None)  # calling None raises
     assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
     assert (QType.F32, (96, HIDDEN)) in dense.broken
     monkeypatch.undo()
@@ -116,17 +117,10 @@ def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch
         c.hidden_size,
     )
     assert t.warm_up()
-    calls = []
-    real = dense_kernels.dense_linear
-
-    def counting(w, x):
-        out = real(w, x)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(transformer_mod, "dense_linear", counting)
+    calls = spy(monkeypatch, transformer_mod, "dense_linear")
     _, fused = greedy_logits(model, [3, 17, 42, 5], steps=6)
-    assert sum(calls) >= 6 * (2 * c.n_layers + 1)  # every decode step: qkv, output, head
+    ran = sum(out is not None for _, out in calls)
+    assert ran >= 6 * (2 * c.n_layers + 1)  # every decode step: qkv, output, head
     t.fused = {}
     _, plain = greedy_logits(model, [3, 17, 42, 5], steps=6)
     assert (fused - plain).abs().max().item() <= 1e-4

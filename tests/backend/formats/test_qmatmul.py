@@ -14,6 +14,7 @@ from backend.formats.quants import QType, block_shape, dequantize
 from backend.models.loader import load_model
 from tests.backend.models.test_parity import greedy_logits
 from tests.backend.models.tiny import make_tiny
+from tests.backend.spy import spy
 from tests.backend.test_engine import PROMPTS, STEPS, run_staggered
 
 HIDDEN, INNER = 64, 96
@@ -133,18 +134,10 @@ def test_engine_on_q4_experts_matches_plain_generation(
     )
     model = load_model(path)
     assert {p.qtype for p in model.experts[0][0].parts} == {QType.Q4_1}
-    fused = []
-    real = qmatmul.expert_mlp
-
-    def counting(parts, x):
-        out = real(parts, x)
-        fused.append(out is not None)
-        return out
-
-    monkeypatch.setattr(qmatmul, "expert_mlp", counting)
+    calls = spy(monkeypatch, qmatmul, "expert_mlp")
     size = str(model.config.top_k) if cache == "min" else cache
     eng = Engine(model, EngineConfig(policy=policy, cache=size, storage="ssd"))
-    fused.clear()  # the engine's compile warm-up calls it too
+    calls.clear()  # the engine's compile warm-up calls it too
     try:
         finished = run_staggered(eng)
         for i, p in enumerate(PROMPTS):
@@ -155,4 +148,4 @@ def test_engine_on_q4_experts_matches_plain_generation(
         assert sum(eng.cache.refs) == 0
     finally:
         eng.close()
-    assert any(fused), "decode steps never took the fused path"
+    assert any(out is not None for _, out in calls), "decode steps never took the fused path"

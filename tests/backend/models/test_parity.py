@@ -15,6 +15,7 @@ from backend.models import transformer as transformer_mod
 from backend.models.loader import LoadedModel, load_model
 from backend.models.transformer import KVCache, SeqSlice
 from tests.backend.models.tiny import FAMILY_CONFIGS, hf_logits, make_tiny
+from tests.backend.spy import spy
 
 FAMILIES = list(FAMILY_CONFIGS)
 PROMPT = [3, 17, 42, 5, 88, 9, 1]
@@ -88,19 +89,12 @@ def test_gguf_quantized_matches_oracle_dequantizer(
     path = write_gguf(load_model(tiny_dir[family]), tmp_path / "q.gguf", qtype)
     model = load_model(path)
     assert model.quant == qtype.name
-    calls = []
-    real = transformer_mod.dense_linear
-
-    def counting(w, x):
-        out = real(w, x)
-        calls.append((w.qtype, out is not None))
-        return out
-
-    monkeypatch.setattr(transformer_mod, "dense_linear", counting)
+    calls = spy(monkeypatch, transformer_mod, "dense_linear")
     _, ours = greedy_logits(model, PROMPT, steps=8)
+    ran = {(w.qtype, out is not None) for (w, _), out in calls}
     # Decoding went through the compiled head, and the Q4 attention kernels for Q4_0.
-    assert (QType.F32, True) in calls
-    assert ((QType.Q4_0, True) in calls) == (qtype == QType.Q4_0)
+    assert (QType.F32, True) in ran
+    assert ((QType.Q4_0, True) in ran) == (qtype == QType.Q4_0)
     # The same file, every weight dequantized by the gguf package's numpy code instead,
     # and every product by float32 BLAS.
     model.transformer.fused = {}
