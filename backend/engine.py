@@ -393,13 +393,34 @@ class Engine:
                 ready.append(r)
         return self.policy.compute_group(self.running, ready)
 
+    def _riders(self, group: list[Request]) -> list[tuple[Request, set[int]]]:
+        """Decoding requests at the group's layer that are not in it, each with those of
+        its remaining experts the group runs anyway (all pinned and ready for the group)."""
+        layer = group[0].layer
+        experts = {e for r in group for _, e in r.claim}
+        members = {id(r) for r in group}
+        riders = []
+        for r in self.running:
+            if r.layer != layer or r.n != 1 or id(r) in members:
+                continue
+            mine = {e for _, e in r.claim} if r.claimed else set(r.needed) - r.done
+            subset = mine & experts
+            if subset:
+                riders.append((r, subset))
+        return riders
+
     # --- run and postprocess ------------------------------------------------------------
 
     def _run(self, group: list[Request]) -> None:
         t0 = time.perf_counter()
         layer = group[0].layer
         claims = [k for r in group for k in r.claim]
-        done, logits = self.jobs.run(group)
+        riders = self._riders(group) if self.policy.ride else []
+        for r, subset in riders:
+            if not r.claimed:  # its claim, when it comes, skips these: count them as hits
+                for e in subset:
+                    self.cache.record_lookup((layer, e))
+        done, logits = self.jobs.run(group, riders)
         if self.slots.device.type == "cuda":
             # Kernels reading these slots may still be queued: finish them before the
             # link may overwrite an unpinned slot on its own stream.
@@ -408,6 +429,13 @@ class Engine:
             self.cache.unpin(k)
         for r in group:
             r.claim, r.claimed, r.ready_since = [], False, 0
+        for r, subset in riders:
+            if r.claimed:  # the experts it rode on need no pin of its own any more
+                for k in r.claim:
+                    if k[1] in subset:
+                        self.cache.unpin(k)
+                r.claim = [k for k in r.claim if k[1] not in subset]
+                r.claimed = bool(r.claim)
         continuing: list[Request] = []
         if logits is not None:
             if self.logits_log is not None:
@@ -420,9 +448,9 @@ class Engine:
                 for r in continuing:
                     r.start, r.n = r.start + r.n, 1
                 self.jobs.start(continuing, [[r.out_ids[-1]] for r in continuing])
-        tokens = sum(r.n for r in group)
+        rows = [*group, *(r for r, _ in riders)]
         self.telemetry.record_compute(
-            t0, time.perf_counter(), layer, tuple(r.id for r in group), tokens
+            t0, time.perf_counter(), layer, tuple(r.id for r in rows), sum(r.n for r in rows)
         )
 
     def _postprocess(self, r: Request, logits: torch.Tensor) -> bool:
@@ -468,13 +496,14 @@ class Engine:
             if tail:
                 r.text.append(tail)
                 self._emit(TokenEvent(r.id, -1, tail))
-        r.status, r.finish_reason, r.kv, r.h, r.x, r.acc = (
+        r.status, r.finish_reason, r.kv, r.h, r.x, r.acc, r.parts = (
             RequestStatus.FINISHED,
             reason,
             None,
             None,
             None,
             None,
+            {},
         )
         self._ids.discard(r.id)
         self._emit(

@@ -5,6 +5,7 @@ Legend: T tokens in the group, D hidden, K top-k, V vocab.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -100,7 +101,7 @@ class JobRunner:
         row = 0
         for r in group:
             r.layer, r.h, r.x = layer, h[row : row + r.n], x[row : row + r.n]
-            r.acc, r.done, r.claim, r.claimed = None, set(), [], False
+            r.acc, r.done, r.parts, r.claim, r.claimed = None, set(), {}, [], False
             if sparse:
                 r.route_ids, r.route_w = ids[row : row + r.n], w[row : row + r.n]
                 r.needed = tuple(sorted(set(r.route_ids.flatten().tolist())))
@@ -119,38 +120,18 @@ class JobRunner:
         self.enter(group, 0, t.attention_block(0, h, seqs))
 
     @torch.inference_mode()
-    def run(self, group: Sequence[Request]) -> tuple[list[Request], torch.Tensor | None]:
+    def run(
+        self, group: Sequence[Request], riders: Sequence[tuple[Request, set[int]]] = ()
+    ) -> tuple[list[Request], torch.Tensor | None]:
         """Run the group's claimed experts. Requests whose layer is complete advance to the
-        next layer; after the last layer their logits are returned [len(done), V]."""
+        next layer; after the last layer their logits are returned [len(done), V].
+
+        ``riders``: other requests at the same layer, each with some of its experts that
+        the group computes anyway; their rows join those experts' products, so each
+        expert's bytes are read once for all of them (see ``Policy.ride``)."""
         t, layer = self.t, group[0].layer
         if t.config.sparse_layers[layer]:
-            x = torch.cat([r.x for r in group])
-            w = torch.cat([r.route_w for r in group])
-            claims = [set(e for _, e in r.claim) for r in group]
-            # A streaming job (more experts than the cache holds) computes its experts chunk
-            # by chunk: hide the routes to experts outside this chunk from the expert loop.
-            ids = torch.cat(
-                [
-                    r.route_ids
-                    if len(c) == len(r.needed)
-                    else r.route_ids.masked_fill(
-                        ~torch.isin(r.route_ids, torch.tensor(sorted(c), device=x.device)), -1
-                    )
-                    for r, c in zip(group, claims, strict=True)
-                ]
-            )
-            y = torch.zeros_like(x)
-            for e in sorted(set().union(*claims)):
-                rows, kk = (ids == e).nonzero(as_tuple=True)
-                if rows.numel():
-                    y.index_add_(0, rows, self.mlp(layer, e, x[rows]) * w[rows, kk, None])
-            row = 0
-            for r, c in zip(group, claims, strict=True):
-                part = y[row : row + r.n]
-                r.acc = part if r.acc is None else r.acc + part
-                r.done |= c
-                row += r.n
-            done = [r for r in group if len(r.done) == len(r.needed)]
+            done = self._moe(layer, group, riders)
             outs = []
             for r in done:
                 shared = t.shared_expert(layer, r.x)
@@ -167,3 +148,81 @@ class JobRunner:
             return done, None
         ends = torch.tensor([r.n for r in done], device=h.device).cumsum(0) - 1
         return done, t.logits(h[ends])
+
+    def _moe(
+        self, layer: int, group: Sequence[Request], riders: Sequence[tuple[Request, set[int]]]
+    ) -> list[Request]:
+        """Apply this run's experts; set ``acc`` of the requests whose MoE is complete.
+
+        A request that gets all its experts in this run sums them straight into ``y``
+        (index_add_ in expert order, as the sequential model does). A one-token request
+        that gets them over several runs (riding) keeps each expert's contribution in
+        ``parts`` and sums them in the same expert order when the last arrives, as a
+        whole job would. Longer ones (a prompt streaming through a
+        cache smaller than its experts) accumulate as they go: a few KB per expert and
+        token would add up to gigabytes for a long prompt on a wide model."""
+        subsets = [{e for _, e in r.claim} for r in group] + [s for _, s in riders]
+        members = [*group, *(r for r, _ in riders)]
+        whole = [
+            not r.done and len(s) == len(r.needed) for r, s in zip(members, subsets, strict=True)
+        ]
+        order = sorted(range(len(members)), key=lambda i: not whole[i])  # whole ones first
+        members = [members[i] for i in order]
+        subsets = [subsets[i] for i in order]
+        n_whole = sum(whole)
+        x = torch.cat([r.x for r in members])
+        w = torch.cat([r.route_w for r in members])
+        # Routes to experts outside a request's subset this run are hidden (-1).
+        ids = torch.cat(
+            [
+                r.route_ids
+                if len(s) == len(r.needed)
+                else r.route_ids.masked_fill(
+                    ~torch.isin(r.route_ids, torch.tensor(sorted(s), device=x.device)), -1
+                )
+                for r, s in zip(members, subsets, strict=True)
+            ]
+        )
+        whole_rows = sum(r.n for r in members[:n_whole])
+        y = x.new_zeros(whole_rows, x.shape[1])
+        # Row ranges of the requests that collect per-expert parts.
+        spans, row = [], whole_rows
+        for r in members[n_whole:]:
+            spans.append((r, row, row + r.n))
+            row += r.n
+        for e in sorted(set().union(*subsets)):
+            rows, kk = (ids == e).nonzero(as_tuple=True)
+            if not rows.numel():
+                continue
+            out = self.mlp(layer, e, x[rows]) * w[rows, kk, None]
+            if not spans:
+                y.index_add_(0, rows, out)
+                continue
+            at = rows.tolist()
+            split = bisect.bisect_left(at, whole_rows)
+            if split:
+                y.index_add_(0, rows[:split], out[:split])
+            for r, lo, hi in spans:
+                a, b = bisect.bisect_left(at, lo, split), bisect.bisect_left(at, hi, split)
+                if a == b:
+                    continue
+                if r.n == 1:
+                    r.parts[e] = out[a:b]
+                else:
+                    if r.acc is None:
+                        r.acc = out.new_zeros(r.n, out.shape[1])
+                    r.acc.index_add_(0, rows[a:b] - lo, out[a:b])
+        row = 0
+        for r, s in zip(members[:n_whole], subsets, strict=False):
+            r.acc, r.done = y[row : row + r.n], set(s)
+            row += r.n
+        for r, s in zip(members[n_whole:], subsets[n_whole:], strict=True):
+            r.done |= s
+            if r.n == 1 and len(r.done) == len(r.needed):
+                acc = r.x.new_zeros(1, r.x.shape[1])
+                for e in sorted(r.parts):
+                    acc += r.parts[e]
+                r.acc = acc
+            elif r.n > 1 and r.acc is None:  # none of its rows routed to this run's experts
+                r.acc = r.x.new_zeros(r.n, r.x.shape[1])
+        return [r for r in members if len(r.done) == len(r.needed)]

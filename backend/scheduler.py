@@ -32,6 +32,9 @@ class Policy:
     compute_order: str = "layer"  # "layer" (lowest first) or "fifo"
     fetch_order: str = "layer"  # "layer" (lowest layer, then fewest missing) or "srtf"
     prefetch: str | None = None  # None, "gate" or "history"
+    # Requests at the group's layer that wait for other experts ride along on the ones
+    # the group runs (their rows join the same products; see ``Engine._riders``).
+    ride: bool = True
 
     def claim_order(
         self, blocked: Sequence[Request], missing: Missing, low_layer: int = 0
@@ -131,9 +134,9 @@ def make_policy(name: str) -> Policy:
     if name == "bevy":
         return Policy(name)
     if name == "sync":
-        return Policy(name, lockstep=True)
+        return Policy(name, lockstep=True, ride=False)
     if name in ("prefetch-gate", "prefetch-history"):
-        return Policy(name, lockstep=True, prefetch=name.split("-")[1])
+        return Policy(name, lockstep=True, prefetch=name.split("-")[1], ride=False)
     if name == "bevy-fifo":
         return Policy(name, compute_order="fifo")
     if name == "bevy-srtf":
@@ -149,5 +152,5 @@ def make_policy(name: str) -> Policy:
             raise ValueError(
                 f"bevy-static needs a positive group size, e.g. bevy-static:4 (got {name!r})"
             )
-        return Policy(name, group_size=k)
+        return Policy(name, group_size=k, ride=False)
     raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")

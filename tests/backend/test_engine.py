@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,34 @@ def test_engine_thread_keeps_its_compute_threads(models) -> None:
         assert seen == [want]
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "qwen3-hf"])
+def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, model_name) -> None:
+    """Requests waiting at the group's layer ride on its experts: fewer expert products,
+    the same logits (each rider sums its experts in the same order as a whole job)."""
+    from backend.jobs import JobRunner
+    from tests.backend.spy import spy
+
+    results = {}
+    for ride in (True, False):
+        monkeypatch.undo()
+        runs = spy(monkeypatch, JobRunner, "run")
+        mlps = spy(monkeypatch, JobRunner, "mlp")
+        config = EngineConfig(policy="bevy", cache="0.3", storage="ssd")
+        eng = Engine(models[model_name], config)
+        eng.policy = dataclasses.replace(eng.policy, ride=ride)
+        try:
+            finished = run_staggered(eng)
+            assert sum(eng.cache.refs) == 0
+        finally:
+            eng.close()
+        riders = sum(len(args[2]) for args, _ in runs if len(args) > 2)
+        results[ride] = (finished, eng.logits_log, riders, len(mlps))
+    (fin, logs, riders, products), (fin0, logs0, riders0, products0) = results[True], results[False]
+    assert riders > 0 and riders0 == 0
+    assert products < products0
+    for rid, f in fin.items():
+        assert f.token_ids == fin0[rid].token_ids
+        ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
+        assert (ours - theirs).abs().max().item() <= 1e-5, rid
