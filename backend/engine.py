@@ -42,7 +42,7 @@ from backend.models.transformer import KVCache
 from backend.prefetch import Prefetcher
 from backend.request import Request, RequestStatus
 from backend.sampling import make_generator, sample
-from backend.scheduler import make_policy
+from backend.scheduler import make_policy, spanned_layers
 from backend.store import open_store
 from backend.telemetry import Telemetry, coalesce
 
@@ -350,6 +350,9 @@ class Engine:
 
     def _claim(self) -> None:
         cache = self.cache
+        cache.protected = spanned_layers(
+            [r.layer for r in self.running], self.model.config.n_layers
+        )
         blocked = [r for r in self.running if not r.claimed]
         if self.policy.group_size:
             allowed = self.policy.static_claimable(self.running)
@@ -416,8 +419,13 @@ class Engine:
         layer = group[0].layer
         claims = [k for r in group for k in r.claim]
         riders = self._riders(group) if self.policy.ride else []
+        # The pins each claimed rider gives up once it has ridden on those experts
+        # (taken now: a request that completes its layer gets a fresh, empty claim).
+        ridden = []
         for r, subset in riders:
-            if not r.claimed:  # its claim, when it comes, skips these: count them as hits
+            if r.claimed:
+                ridden.append((r, [k for k in r.claim if k[1] in subset]))
+            else:  # its claim, when it comes, skips these: count them as hits
                 for e in subset:
                     self.cache.record_lookup((layer, e))
         done, logits = self.jobs.run(group, riders)
@@ -429,12 +437,11 @@ class Engine:
             self.cache.unpin(k)
         for r in group:
             r.claim, r.claimed, r.ready_since = [], False, 0
-        for r, subset in riders:
-            if r.claimed:  # the experts it rode on need no pin of its own any more
-                for k in r.claim:
-                    if k[1] in subset:
-                        self.cache.unpin(k)
-                r.claim = [k for k in r.claim if k[1] not in subset]
+        for r, keys in ridden:
+            for k in keys:
+                self.cache.unpin(k)
+            if r.claimed:
+                r.claim = [k for k in r.claim if k not in keys]
                 r.claimed = bool(r.claim)
         continuing: list[Request] = []
         if logits is not None:

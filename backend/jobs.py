@@ -207,7 +207,7 @@ class JobRunner:
                 if a == b:
                     continue
                 if r.n == 1:
-                    r.parts[e] = out[a:b]
+                    r.parts[e] = out[a:b].clone()  # not a view holding the whole product
                 else:
                     if r.acc is None:
                         r.acc = out.new_zeros(r.n, out.shape[1])
