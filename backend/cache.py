@@ -6,9 +6,7 @@ Pure Python (no torch): the engine owns the slot tensor; this decides placement.
   references are evictable, so an expert a job relies on is never replaced under it.
 - A key that is loading is never fetched twice (pending fetches are deduplicated).
 - Eviction: LRU (least recently used) or LFU (fewest uses since start, oldest use first
-  on ties), among evictable entries only. Entries of ``protected`` layers go last: the
-  engine names the layers that requests running ahead have passed and slower ones have
-  still to reach, so an expert the leaders fetched stays for the requests behind them.
+  on ties), among evictable entries only.
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ class ExpertCache:
         self._lru: OrderedDict[Key, None] = OrderedDict()  # evictable keys, oldest first
         self._heap: list[tuple[int, int, Key]] = []  # LFU: (uses, last use, key), lazily pruned
         self.guessed: set[Key] = set()  # prefetched entries no job has claimed yet
-        self.protected: frozenset[int] = frozenset()  # layers whose entries are evicted last
 
     # --- queries ------------------------------------------------------------------------
 
@@ -198,52 +195,14 @@ class ExpertCache:
         if not self._lru:
             return None
         if self.policy == "lru":
-            key = self._first_unprotected(iter(self._lru))
-            del self._lru[key]
+            key, _ = self._lru.popitem(last=False)
             return key
-        skipped: list[tuple[int, int, Key]] = []
-        found = None
         while self._heap:
-            entry = heapq.heappop(self._heap)
-            uses, last, key = entry
-            if key not in self._lru or (uses, last) != (
-                self._uses.get(key, 0),
-                self._last.get(key, 0),
-            ):
-                continue  # stale: pinned again or used since
-            if key[0] in self.protected:
-                skipped.append(entry)
-                if len(skipped) < _MAX_SKIPPED:
-                    continue
-                break  # the least used of those skipped goes, as if none were protected
-            found = key
-            break
-        if found is None and skipped:
-            found = skipped.pop(0)[2]  # every candidate is protected: the least used goes
-        for entry in skipped:
-            heapq.heappush(self._heap, entry)
-        if found is None:
-            # Heap entries went stale faster than they were pushed: rebuild from the
-            # evictable set.
-            self._rebuild_heap()
-            return self._victim()
-        del self._lru[found]
-        return found
-
-    def _first_unprotected(self, keys) -> Key:
-        """The oldest unprotected key, or the oldest key if the first ``_MAX_SKIPPED`` are
-        all protected."""
-        first = None
-        for i, key in enumerate(keys):
-            if first is None:
-                first = key
-            if key[0] not in self.protected:
+            uses, last, key = heapq.heappop(self._heap)
+            current = (self._uses.get(key, 0), self._last.get(key, 0))
+            if key in self._lru and (uses, last) == current:
+                del self._lru[key]
                 return key
-            if i + 1 >= _MAX_SKIPPED:
-                break
-        return first
-
-
-# Protected candidates looked at before the policy's own order decides anyway (the
-# first of them goes), so a victim costs at most this many steps.
-_MAX_SKIPPED = 64
+        # Heap entries went stale faster than they were pushed: rebuild from the evictable set.
+        self._rebuild_heap()
+        return self._victim()

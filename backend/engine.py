@@ -42,7 +42,7 @@ from backend.models.transformer import KVCache
 from backend.prefetch import Prefetcher
 from backend.request import Request, RequestStatus
 from backend.sampling import make_generator, sample
-from backend.scheduler import make_policy, spanned_layers
+from backend.scheduler import make_policy
 from backend.store import open_store
 from backend.telemetry import Telemetry, coalesce
 
@@ -350,9 +350,6 @@ class Engine:
 
     def _claim(self) -> None:
         cache = self.cache
-        cache.protected = spanned_layers(
-            [r.layer for r in self.running], self.model.config.n_layers
-        )
         blocked = [r for r in self.running if not r.claimed]
         if self.policy.group_size:
             allowed = self.policy.static_claimable(self.running)

@@ -106,23 +106,6 @@ class Policy:
         }
 
 
-def spanned_layers(layers: Sequence[int], n_layers: int) -> frozenset[int]:
-    """The layers from the slowest running request to the fastest, on the ring of layers
-    (requests wrap to layer 0 for their next token): the shortest arc holding every
-    request's layer. Requests ahead have passed these layers and those behind have still
-    to reach them, so their cached experts are likely needed again soon."""
-    ls = sorted(set(layers))
-    if len(ls) <= 1:
-        return frozenset(ls)
-    # The widest gap between neighbours (the wrap included) is where nobody is; of two
-    # equally wide, either leaves an arc as short as the other.
-    gaps = [(ls[i + 1] - ls[i], i + 1) for i in range(len(ls) - 1)]
-    gaps.append((ls[0] + n_layers - ls[-1], 0))
-    _, first = max(gaps)
-    start, end = ls[first], ls[first - 1]  # the arc runs from start forward to end
-    return frozenset((start + i) % n_layers for i in range((end - start) % n_layers + 1))
-
-
 POLICIES = (
     "bevy",
     "sync",

@@ -92,10 +92,7 @@ def test_invalid_configuration() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(
-        st.tuples(st.sampled_from(["use", "pin", "unpin", "protect"]), st.integers(0, 7)),
-        max_size=200,
-    ),
+    st.lists(st.tuples(st.sampled_from(["use", "pin", "unpin"]), st.integers(0, 7)), max_size=200),
     st.sampled_from(["lru", "lfu"]),
     st.integers(1, 5),
 )
@@ -103,10 +100,8 @@ def test_random_operations_keep_invariants(ops, policy: str, n_slots: int) -> No
     c = ExpertCache(n_slots, policy)
     pins: dict[tuple[int, int], int] = {}
     for op, e in ops:
-        k = (e % 3, e)
-        if op == "protect":
-            c.protected = frozenset({e % 3, (e + 1) % 3} if e > 3 else {e % 3})
-        elif op == "use":
+        k = (0, e)
+        if op == "use":
             c.record_use(k)
             if not c.is_present(k) and c.reserve(k) is not None:
                 pins[k] = pins.get(k, 0) + 1
@@ -121,23 +116,6 @@ def test_random_operations_keep_invariants(ops, policy: str, n_slots: int) -> No
         assert all(c.is_present(key) for key, n in pins.items() if n)
         assert len(c.slot_of) + len(c.free) == n_slots
         assert sum(c.refs) == sum(pins.values())
-
-
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_protected_layers_are_evicted_last(policy: str) -> None:
-    c = ExpertCache(3, policy)
-    fill(c, [(5, 0), (9, 0), (9, 1)])  # (5, 0): oldest and least used
-    c.protected = frozenset({5})
-    c.record_use((7, 0))
-    c.reserve((7, 0))
-    assert c.is_present((5, 0)) and not c.is_present((9, 0))
-    # When every candidate is protected, the policy's own order decides.
-    c.protected = frozenset({5, 7, 9})
-    c.unpin((7, 0))
-    c.complete((7, 0))
-    c.record_use((7, 1))
-    c.reserve((7, 1))
-    assert not c.is_present((5, 0))
 
 
 def test_prefetch_accounting() -> None:

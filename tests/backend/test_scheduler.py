@@ -4,7 +4,7 @@ import pytest
 
 from backend.config import SamplingParams
 from backend.request import Request
-from backend.scheduler import POLICIES, make_policy, spanned_layers
+from backend.scheduler import POLICIES, make_policy
 
 
 def req(i: int, layer: int, claimed: bool = True) -> Request:
@@ -82,11 +82,3 @@ def test_fetch_priority_follows_the_policy() -> None:
     assert bevy.fetch_priority(b, 5, tick=10) < bevy.fetch_priority(a, 1, tick=3)
     assert srtf.fetch_priority(a, 1, tick=10) < srtf.fetch_priority(b, 5, tick=3)
     assert sync.fetch_priority(a, 1, tick=3) < sync.fetch_priority(b, 1, tick=10)
-
-
-def test_spanned_layers_run_from_the_slowest_request_to_the_fastest() -> None:
-    assert spanned_layers([], 30) == frozenset()
-    assert spanned_layers([4, 4], 30) == {4}  # sync: the batch's layer
-    assert spanned_layers([5, 9, 7], 30) == set(range(5, 10))
-    # The leaders wrapped to layer 0 for their next token; the slowest is at 28.
-    assert spanned_layers([28, 1, 2], 30) == {28, 29, 0, 1, 2}
