@@ -50,9 +50,9 @@ class Request:
     claim: list[tuple[int, int]] = field(default_factory=list)  # keys this job has pinned
     claimed: bool = False  # holds pins on ``claim`` (resident or loading)
     done: set[int] = field(default_factory=set)  # experts of this layer already applied
-    parts: dict[int, torch.Tensor] = field(
-        default_factory=dict
-    )  # expert -> its output [n, D], when applied over several runs
+    # Expert -> its weighted output [n, D], for a request whose experts are applied
+    # over several runs (riding); summed in expert order once all are in.
+    parts: dict[int, torch.Tensor] = field(default_factory=dict)
     acc: torch.Tensor | None = None  # MoE output once all experts are applied [n, D]
     ready_since: int = 0  # engine tick when the job became ready (FIFO compute order)
     finish_reason: str | None = None

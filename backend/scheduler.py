@@ -4,7 +4,8 @@ Pure Python over ``Request`` state, so every policy is tested without torch work
 
 - ``bevy``: compute all ready jobs at the lowest ready layer (opportunistic layerwise
   grouping); claim/fetch for the blocked job with the lowest layer first, ties broken by
-  fewest missing experts (SRTF).
+  fewest missing experts (SRTF). Requests at that layer still waiting for other experts
+  ride along on the experts they share with the group (``ride``).
 - ``sync``: llama.cpp-like: all running requests advance as one batch, layer by layer;
   experts are fetched on demand and compute waits for them.
 - ``prefetch-gate`` / ``prefetch-history``: ``sync`` plus prefetching of predicted
