@@ -158,9 +158,9 @@ class JobRunner:
         (index_add_ in expert order, as the sequential model does). A one-token request
         that gets them over several runs (riding) keeps each expert's contribution in
         ``parts`` and sums them in the same expert order when the last arrives, as a
-        whole job would. Longer ones (a prompt streaming through a
-        cache smaller than its experts) accumulate as they go: a few KB per expert and
-        token would add up to gigabytes for a long prompt on a wide model."""
+        whole job would. Longer ones (a prompt streaming through a cache smaller than its
+        experts) accumulate as they go: a few KB per expert and token would add up to
+        gigabytes for a long prompt on a wide model."""
         subsets = [{e for _, e in r.claim} for r in group] + [s for _, s in riders]
         members = [*group, *(r for r, _ in riders)]
         whole = [
@@ -213,7 +213,7 @@ class JobRunner:
                         r.acc = out.new_zeros(r.n, out.shape[1])
                     r.acc.index_add_(0, rows[a:b] - lo, out[a:b])
         row = 0
-        for r, s in zip(members[:n_whole], subsets, strict=False):
+        for r, s in zip(members[:n_whole], subsets[:n_whole], strict=True):
             r.acc, r.done = y[row : row + r.n], set(s)
             row += r.n
         for r, s in zip(members[n_whole:], subsets[n_whole:], strict=True):
