@@ -5,7 +5,6 @@ Legend: T tokens in the group, D hidden, K top-k, V vocab.
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -166,52 +165,51 @@ class JobRunner:
         whole = [
             not r.done and len(s) == len(r.needed) for r, s in zip(members, subsets, strict=True)
         ]
-        order = sorted(range(len(members)), key=lambda i: not whole[i])  # whole ones first
-        members = [members[i] for i in order]
-        subsets = [subsets[i] for i in order]
+        first = sorted(range(len(members)), key=lambda i: not whole[i])  # whole ones first
+        members = [members[i] for i in first]
+        subsets = [subsets[i] for i in first]
         n_whole = sum(whole)
-        x = torch.cat([r.x for r in members])
-        w = torch.cat([r.route_w for r in members])
+        if len(members) == 1:
+            x, w = members[0].x, members[0].route_w
+        else:
+            x = torch.cat([r.x for r in members])
+            w = torch.cat([r.route_w for r in members])
         # Routes to experts outside a request's subset this run are hidden (-1).
-        ids = torch.cat(
-            [
-                r.route_ids
-                if len(s) == len(r.needed)
-                else r.route_ids.masked_fill(
-                    ~torch.isin(r.route_ids, torch.tensor(sorted(s), device=x.device)), -1
-                )
-                for r, s in zip(members, subsets, strict=True)
-            ]
-        )
+        ids = [
+            r.route_ids
+            if len(s) == len(r.needed)
+            else r.route_ids.masked_fill(
+                ~torch.isin(r.route_ids, torch.tensor(sorted(s), device=x.device)), -1
+            )
+            for r, s in zip(members, subsets, strict=True)
+        ]
+        ids = ids[0] if len(ids) == 1 else torch.cat(ids)
         whole_rows = sum(r.n for r in members[:n_whole])
         y = x.new_zeros(whole_rows, x.shape[1])
-        # Row ranges of the requests that collect per-expert parts.
-        spans, row = [], whole_rows
-        for r in members[n_whole:]:
-            spans.append((r, row, row + r.n))
-            row += r.n
-        for e in sorted(set().union(*subsets)):
-            rows, kk = (ids == e).nonzero(as_tuple=True)
-            if not rows.numel():
-                continue
-            out = self.mlp(layer, e, x[rows]) * w[rows, kk, None]
-            if not spans:
+        # Every (row, expert) route, sorted by expert, rows ascending within each (a stable
+        # sort): one gather of the inputs, then each expert takes a contiguous slice.
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        experts, counts = experts.tolist(), counts.tolist()
+        skip = counts[0] if experts and experts[0] < 0 else 0  # hidden routes sort first
+        order = order[skip:]
+        rows = order // k
+        xs, ws = x[rows], w.flatten()[order]
+        outs, at = [], 0
+        for e, n in zip(experts, counts, strict=True):
+            if e >= 0:
+                outs.append(self.mlp(layer, e, xs[at : at + n]))
+                at += n
+        if outs:
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs)) * ws[:, None]
+            # One index_add_ in expert order: each row gets its experts' outputs added one
+            # by one in expert order, as the sequential model adds them.
+            if whole_rows == x.shape[0]:
                 y.index_add_(0, rows, out)
-                continue
-            at = rows.tolist()
-            split = bisect.bisect_left(at, whole_rows)
-            if split:
-                y.index_add_(0, rows[:split], out[:split])
-            for r, lo, hi in spans:
-                a, b = bisect.bisect_left(at, lo, split), bisect.bisect_left(at, hi, split)
-                if a == b:
-                    continue
-                if r.n == 1:
-                    r.parts[e] = out[a:b].clone()  # not a view holding the whole product
-                else:
-                    if r.acc is None:
-                        r.acc = out.new_zeros(r.n, out.shape[1])
-                    r.acc.index_add_(0, rows[a:b] - lo, out[a:b])
+            else:
+                self._spans(members[n_whole:], whole_rows, rows, out, experts, counts, y)
         row = 0
         for r, s in zip(members[:n_whole], subsets[:n_whole], strict=True):
             r.acc, r.done = y[row : row + r.n], set(s)
@@ -226,3 +224,40 @@ class JobRunner:
             elif r.n > 1 and r.acc is None:  # none of its rows routed to this run's experts
                 r.acc = r.x.new_zeros(r.n, r.x.shape[1])
         return [r for r in members if len(r.done) == len(r.needed)]
+
+    @staticmethod
+    def _spans(
+        others: Sequence[Request],
+        whole_rows: int,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        experts: list[int],
+        counts: list[int],
+        y: torch.Tensor,
+    ) -> None:
+        """Route ``out`` (weighted products, sorted by expert) to the whole requests'
+        ``y`` and to the others: a one-token request keeps each expert's row in ``parts``;
+        a longer one adds into ``acc`` in expert order."""
+        if whole_rows:
+            sel = (rows < whole_rows).nonzero().squeeze(1)
+            y.index_add_(0, rows[sel], out[sel])
+        one: dict[int, Request] = {}
+        lo = whole_rows
+        for r in others:
+            if r.n == 1:
+                one[lo] = r
+            else:
+                sel = ((rows >= lo) & (rows < lo + r.n)).nonzero().squeeze(1)
+                if r.acc is None:
+                    r.acc = out.new_zeros(r.n, out.shape[1])
+                if sel.numel():
+                    r.acc.index_add_(0, rows[sel] - lo, out[sel])
+            lo += r.n
+        if one:
+            expert_of = [
+                e for e, n in zip(experts, counts, strict=True) if e >= 0 for _ in range(n)
+            ]
+            for j, row in enumerate(rows.tolist()):
+                r = one.get(row)
+                if r is not None:
+                    r.parts[expert_of[j]] = out[j : j + 1].clone()  # not a view of all of out

@@ -99,6 +99,8 @@ class Transformer:
             c.rope_theta
             ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float().to(device) / c.head_dim)
         )
+        # dtype -> (cos, sin) [P, Dh/2] for positions 0..P-1 (see ``_rope_table``)
+        self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # --- pieces -------------------------------------------------------------------------
 
@@ -116,22 +118,30 @@ class Transformer:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w["token_embd"][ids]  # [T, D]
 
-    def _rope_angles(
-        self, pos: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, Dh/2] for positions ``pos`` [T] (shared by q and k)."""
-        freqs = pos.float()[:, None] * self._inv_freq[None, :]  # [T, Dh/2]
-        return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
+    def _rope_table(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [P, Dh/2] of positions 0..P-1, P >= ``end``, grown by doubling.
+
+        A decoding step then slices its angles out instead of computing them (seven small
+        ops per attention call). The values are those computed per call before: the same
+        float32 product of position and frequency, then cos and sin."""
+        table = self._rope_tables.get(dtype)
+        if table is None or table[0].shape[0] < end:
+            size = max(end, 256, 2 * (0 if table is None else table[0].shape[0]))
+            pos = torch.arange(size, device=self._inv_freq.device).float()
+            freqs = pos[:, None] * self._inv_freq[None, :]  # [P, Dh/2]
+            table = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            self._rope_tables[dtype] = table  # one assignment: readers see old or new
+        return table
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, H, Dh]
+        """x [T, H, Dh] rotated by angles cos, sin [T, Dh/2]."""
+        c, s = cos[:, None, :], sin[:, None, :]
         if self.config.rope_interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
-            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+            return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
-        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        return x * cos + torch.cat((-x2, x1), -1) * sin
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
 
     def attention_block(
         self, layer: int, h: torch.Tensor, seqs: Sequence[SeqSlice]
@@ -142,12 +152,15 @@ class Transformer:
         x = rms_norm(h, w[p + "attn_norm"], c.rms_eps)
         names = ("attn_q", "attn_k", "attn_v")
         qkv = self._fused_linear(p + "attn_qkv", x)
+        qk = None  # q and k side by side in one buffer, when nothing but RoPE comes next
         if qkv is None:
             q, k, v = (F.linear(x, w[p + n], w.get(p + n + ".bias")) for n in names)
         else:
             kv_width = c.n_kv_heads * c.head_dim
             q, k, v = qkv.split((c.n_heads * c.head_dim, kv_width, kv_width), -1)
             biases = [w.get(p + n + ".bias") for n in names]
+            if not c.qk_norm and c.clip_qkv is None and biases[0] is None and biases[1] is None:
+                qk = qkv[:, : (c.n_heads + c.n_kv_heads) * c.head_dim]
             q, k, v = (t if b is None else t + b for t, b in zip((q, k, v), biases, strict=True))
         if c.qk_norm == "full":
             q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
@@ -160,9 +173,16 @@ class Transformer:
         if c.qk_norm == "head":
             q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
             k = rms_norm(k, w[p + "attn_k_norm"], c.rms_eps)
-        pos = torch.cat([torch.arange(s.start, s.start + s.n, device=h.device) for s in seqs])
-        cos, sin = self._rope_angles(pos, q.dtype)
-        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        table = self._rope_table(max(s.start + s.n for s in seqs), q.dtype)
+        if len(seqs) == 1:
+            cos, sin = (t[seqs[0].start : seqs[0].start + T] for t in table)  # [T, Dh/2]
+        else:
+            cos, sin = (torch.cat([t[s.start : s.start + s.n] for s in seqs]) for t in table)
+        if qk is None:
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        else:  # both in one pass: each op runs once instead of twice
+            qk = self._rope(qk.view(T, c.n_heads + c.n_kv_heads, c.head_dim), cos, sin)
+            q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
         out = torch.empty(T, c.n_heads, c.head_dim, dtype=h.dtype, device=h.device)
         row = 0
         rep = c.n_heads // c.n_kv_heads

@@ -56,6 +56,19 @@ def test_hf_folder_matches_transformers(tiny_dir: dict[str, Path], family: str) 
     assert ref.argmax(-1).tolist() == ids[len(PROMPT) :] + [int(ours[-1].argmax())]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_positions_past_the_first_rope_table(tiny_dir: dict[str, Path], family: str) -> None:
+    """The RoPE angles come from a table of 256 positions that doubles when a sequence
+    outgrows it (here while decoding): the logits still match transformers, which
+    computes the angles for each position."""
+    model = load_model(tiny_dir[family])
+    prompt = torch.randint(0, 96, (250,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids, ours = greedy_logits(model, prompt, steps=10)
+    assert model.transformer._rope_tables[torch.float32][0].shape[0] == 512
+    ref = hf_logits(tiny_dir[family], ids)[len(prompt) - 1 :]
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
 def test_mixed_dense_and_sparse_layers(tiny_dir: dict[str, Path]) -> None:
     model = load_model(tiny_dir["qwen3_moe"])
     assert model.config.sparse_layers == (True, False, True)
