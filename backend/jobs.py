@@ -16,6 +16,10 @@ from backend.models.transformer import SeqSlice, Transformer
 from backend.models.weights import ExpertRef, ExpertWeights, dequantize_slot
 from backend.request import Request
 
+# Routes (row, expert) gathered and multiplied per batch in ``JobRunner._moe``: a decoding
+# run (16 requests x top-8) is one batch; a long prompt takes several.
+ROUTES_PER_BATCH = 2048
+
 
 class JobRunner:
     """Runs jobs on experts held in cache slots in their stored (quantized) form.
@@ -187,7 +191,7 @@ class JobRunner:
         whole_rows = sum(r.n for r in members[:n_whole])
         y = x.new_zeros(whole_rows, x.shape[1])
         # Every (row, expert) route, sorted by expert, rows ascending within each (a stable
-        # sort): one gather of the inputs, then each expert takes a contiguous slice.
+        # sort): one gather of the inputs per batch, then each expert takes a contiguous slice.
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)
@@ -195,21 +199,32 @@ class JobRunner:
         experts, counts = experts.tolist(), counts.tolist()
         skip = counts[0] if experts and experts[0] < 0 else 0  # hidden routes sort first
         order = order[skip:]
-        rows = order // k
-        xs, ws = x[rows], w.flatten()[order]
-        outs, at = [], 0
-        for e, n in zip(experts, counts, strict=True):
-            if e >= 0:
-                outs.append(self.mlp(layer, e, xs[at : at + n]))
-                at += n
-        if outs:
-            out = (outs[0] if len(outs) == 1 else torch.cat(outs)) * ws[:, None]
-            # One index_add_ in expert order: each row gets its experts' outputs added one
-            # by one in expert order, as the sequential model adds them.
+        rows, ws = order // k, w.flatten()[order]
+        # Experts are taken in consecutive batches of at most ROUTES_PER_BATCH routes (one
+        # expert may exceed it): a long prompt's gathered inputs and products stay bounded,
+        # as one expert's were before, while a decoding run is one batch.
+        at = size = 0
+        chunk: list[tuple[int, int]] = []
+        for i, (e, n) in enumerate(zip(experts, counts, strict=True)):
+            if e < 0:
+                continue
+            chunk.append((e, n))
+            size += n
+            if i + 1 < len(experts) and size + counts[i + 1] <= ROUTES_PER_BATCH:
+                continue
+            sl = slice(at, at + size)
+            xs, off, outs = x[rows[sl]], 0, []
+            for ce, cn in chunk:
+                outs.append(self.mlp(layer, ce, xs[off : off + cn]))
+                off += cn
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs)) * ws[sl, None]
+            # index_add_ runs through its entries in order: each row gets its experts'
+            # outputs added one by one in expert order, as the sequential model adds them.
             if whole_rows == x.shape[0]:
-                y.index_add_(0, rows, out)
+                y.index_add_(0, rows[sl], out)
             else:
-                self._spans(members[n_whole:], whole_rows, rows, out, experts, counts, y)
+                self._spans(members[n_whole:], whole_rows, rows[sl], out, chunk, y)
+            at, size, chunk = at + size, 0, []
         row = 0
         for r, s in zip(members[:n_whole], subsets[:n_whole], strict=True):
             r.acc, r.done = y[row : row + r.n], set(s)
@@ -231,11 +246,10 @@ class JobRunner:
         whole_rows: int,
         rows: torch.Tensor,
         out: torch.Tensor,
-        experts: list[int],
-        counts: list[int],
+        chunk: list[tuple[int, int]],
         y: torch.Tensor,
     ) -> None:
-        """Route ``out`` (weighted products, sorted by expert) to the whole requests'
+        """Route ``out`` (weighted products of ``chunk``'s (expert, routes), sorted by expert) to the whole requests'
         ``y`` and to the others: a one-token request keeps each expert's row in ``parts``;
         a longer one adds into ``acc`` in expert order."""
         if whole_rows:
@@ -254,9 +268,7 @@ class JobRunner:
                     r.acc.index_add_(0, rows[sel] - lo, out[sel])
             lo += r.n
         if one:
-            expert_of = [
-                e for e, n in zip(experts, counts, strict=True) if e >= 0 for _ in range(n)
-            ]
+            expert_of = [e for e, n in chunk for _ in range(n)]
             for j, row in enumerate(rows.tolist()):
                 r = one.get(row)
                 if r is not None:

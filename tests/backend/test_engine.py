@@ -285,3 +285,28 @@ def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, mod
         assert f.token_ids == fin0[rid].token_ids
         ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
         assert (ours - theirs).abs().max().item() <= 1e-5, rid
+
+
+@pytest.mark.parametrize("cache", ["2", "0.3", "1.0"])
+def test_expert_batches_change_no_result(models, monkeypatch, cache) -> None:
+    """``_moe`` takes the sorted routes in batches of at most ROUTES_PER_BATCH (a long
+    prompt's gathers stay bounded): batches of 3 routes give the same tokens and logits as
+    one batch per run, for prompts and for riders (within 1e-5: groups form by fetch
+    timing, and the tiny model's dense BLAS path rounds by batch shape)."""
+    from backend import jobs
+
+    results = {}
+    for per_batch in (jobs.ROUTES_PER_BATCH, 3):
+        monkeypatch.setattr(jobs, "ROUTES_PER_BATCH", per_batch)
+        eng = Engine(models["mixtral-q8-gguf"], EngineConfig(policy="bevy", cache=cache))
+        try:
+            finished = run_staggered(eng)
+            assert sum(eng.cache.refs) == 0
+        finally:
+            eng.close()
+        results[per_batch] = (finished, eng.logits_log)
+    (fin, logs), (fin3, logs3) = results.values()
+    for rid, f in fin.items():
+        assert f.token_ids == fin3[rid].token_ids
+        ours, theirs = torch.stack(logs[rid]), torch.stack(logs3[rid])
+        assert (ours - theirs).abs().max().item() <= 1e-5, rid
