@@ -197,17 +197,16 @@ class JobRunner:
         order = flat.argsort(stable=True)
         experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
         experts, counts = experts.tolist(), counts.tolist()
-        skip = counts[0] if experts and experts[0] < 0 else 0  # hidden routes sort first
-        order = order[skip:]
+        if experts and experts[0] < 0:  # hidden routes sort first: drop them
+            order, experts, counts = order[counts[0] :], experts[1:], counts[1:]
         rows, ws = order // k, w.flatten()[order]
+        others = members[n_whole:]  # riders and streamed prompts: see ``_spans``
         # Experts are taken in consecutive batches of at most ROUTES_PER_BATCH routes (one
         # expert may exceed it): a long prompt's gathered inputs and products stay bounded,
         # as one expert's were before, while a decoding run is one batch.
         at = size = 0
         chunk: list[tuple[int, int]] = []
         for i, (e, n) in enumerate(zip(experts, counts, strict=True)):
-            if e < 0:
-                continue
             chunk.append((e, n))
             size += n
             if i + 1 < len(experts) and size + counts[i + 1] <= ROUTES_PER_BATCH:
@@ -220,16 +219,16 @@ class JobRunner:
             out = (outs[0] if len(outs) == 1 else torch.cat(outs)) * ws[sl, None]
             # index_add_ runs through its entries in order: each row gets its experts'
             # outputs added one by one in expert order, as the sequential model adds them.
-            if whole_rows == x.shape[0]:
-                y.index_add_(0, rows[sl], out)
+            if others:
+                self._spans(others, whole_rows, rows[sl], out, chunk, y)
             else:
-                self._spans(members[n_whole:], whole_rows, rows[sl], out, chunk, y)
+                y.index_add_(0, rows[sl], out)
             at, size, chunk = at + size, 0, []
         row = 0
         for r, s in zip(members[:n_whole], subsets[:n_whole], strict=True):
             r.acc, r.done = y[row : row + r.n], set(s)
             row += r.n
-        for r, s in zip(members[n_whole:], subsets[n_whole:], strict=True):
+        for r, s in zip(others, subsets[n_whole:], strict=True):
             r.done |= s
             if r.n == 1 and len(r.done) == len(r.needed):
                 acc = r.x.new_zeros(1, r.x.shape[1])
@@ -249,9 +248,9 @@ class JobRunner:
         chunk: list[tuple[int, int]],
         y: torch.Tensor,
     ) -> None:
-        """Route ``out`` (weighted products of ``chunk``'s (expert, routes), sorted by expert) to the whole requests'
-        ``y`` and to the others: a one-token request keeps each expert's row in ``parts``;
-        a longer one adds into ``acc`` in expert order."""
+        """Route ``out`` (the weighted products of ``chunk``'s (expert, count) routes, in
+        expert order) to the whole requests' ``y`` and to ``others``: a one-token request
+        keeps each expert's row in ``parts``; a longer one adds into ``acc`` in order."""
         if whole_rows:
             sel = (rows < whole_rows).nonzero().squeeze(1)
             y.index_add_(0, rows[sel], out[sel])
