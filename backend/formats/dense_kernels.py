@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from backend.formats import native
 from backend.formats.qmatmul import FUSABLE, MAX_ROWS, ROW_BUCKETS, _Compiled, _linear, pad_rows
 from backend.formats.quants import QType, block_shape
 
@@ -116,6 +117,10 @@ class _Dense:
             or x.dtype != torch.float32
         ):
             return None
+        if w.qtype != QType.F32:
+            out = native.linear(w.data, w.qtype, w.shape, x)  # where it builds
+            if out is not None:
+                return out
         key = (w.qtype, w.shape)
         if key in self.broken:
             return None

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from backend.formats import native
 from backend.formats.quants import block_shape
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,8 @@ def expert_mlp(parts: tuple[Part, Part, Part], x: torch.Tensor) -> torch.Tensor 
     dequantize (a block type without a fused kernel, too many rows, no compiler)."""
     if x.shape[0] > MAX_ROWS:
         return None
-    return _FUSED(parts, x)
+    out = native.expert_mlp(parts, x)  # the hand-written kernel, where it builds
+    return _FUSED(parts, x) if out is None else out
 
 
 @torch.inference_mode()

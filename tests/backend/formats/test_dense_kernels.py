@@ -16,6 +16,8 @@ from tests.backend.models.test_parity import greedy_logits
 from tests.backend.models.tiny import make_tiny
 from tests.backend.spy import spy
 
+pytestmark = pytest.mark.usefixtures("kernels")
+
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0, QType.F32], ids=["q4_1", "q4_0", "f32"])
 @pytest.mark.parametrize("rows", [1, 3, qmatmul.MAX_ROWS])

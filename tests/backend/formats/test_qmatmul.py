@@ -19,6 +19,8 @@ from tests.backend.test_engine import PROMPTS, STEPS, run_staggered
 
 HIDDEN, INNER = 64, 96
 
+pytestmark = pytest.mark.usefixtures("kernels")
+
 
 def _raw(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -69,21 +71,30 @@ def test_rows_do_not_depend_on_their_batch_mates() -> None:
     assert torch.equal(qmatmul.expert_mlp(parts, x[6:8]), whole[6:8])  # the 2-row bucket
 
 
-def test_other_cases_are_left_to_the_caller() -> None:
+def test_other_cases_are_left_to_the_caller(kernels: str) -> None:
     parts = _expert((QType.Q4_1,) * 3)
     assert qmatmul.expert_mlp(parts, torch.randn(qmatmul.MAX_ROWS + 1, HIDDEN)) is None
     assert qmatmul.expert_mlp(parts, torch.randn(2, HIDDEN, dtype=torch.float64)) is None
     q8 = tuple((raw, QType.Q8_0, s) for raw, _, s in parts)
     assert qmatmul.expert_mlp(q8, torch.randn(2, HIDDEN)) is None
-    # The scales are read through an f16 view, which needs an even byte offset.
-    assert qmatmul.expert_mlp(parts, torch.randn(2, HIDDEN)) is not None
+    short = ((parts[0][0][:-1], *parts[0][1:]), *parts[1:])
+    assert qmatmul.expert_mlp(short, torch.randn(2, HIDDEN)) is None
+    x = torch.randn(2, HIDDEN)
+    assert qmatmul.expert_mlp(parts, x) is not None
+    # The graphs read the scales through an f16 view, which needs an even byte offset;
+    # the native kernel reads them bytewise.
     odd = tuple((torch.cat([raw[:1], raw])[1:], q, s) for raw, q, s in parts)
-    assert qmatmul.expert_mlp(odd, torch.randn(2, HIDDEN)) is None
+    got = qmatmul.expert_mlp(odd, x)
+    if kernels == "graphs":
+        assert got is None
+    else:
+        assert torch.equal(got, qmatmul.expert_mlp(parts, x))
 
 
-def test_warm_up_compiles_what_engine_calls_use(monkeypatch) -> None:
+def test_warm_up_compiles_what_engine_calls_use(monkeypatch, kernels: str) -> None:
     """Engine calls (slot views at odd offsets, 1..MAX_ROWS rows, inference mode) never
-    compile again after the warm-up, nor fall back to running the graph eagerly."""
+    compile again after the warm-up, nor fall back to running the graph eagerly (with
+    the native kernels, nothing is compiled at all)."""
     fused = qmatmul._Fused()
     monkeypatch.setattr(qmatmul, "_FUSED", fused)
     parts = _expert((QType.Q4_0, QType.Q4_1, QType.Q4_1), seed=11)
@@ -107,9 +118,13 @@ def test_warm_up_compiles_what_engine_calls_use(monkeypatch) -> None:
             assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert qmatmul._Compiled.compiles == compiles
     assert not fused.failed
+    if kernels == "native":
+        assert not fused.fns, "the graphs were consulted although the native kernel runs"
 
 
-def test_kinds_beyond_the_bound_are_left_to_the_caller(monkeypatch) -> None:
+def test_kinds_beyond_the_bound_are_left_to_the_caller(monkeypatch, kernels: str) -> None:
+    if kernels == "native":
+        pytest.skip("the native kernel compiles nothing per kind: no bound")
     fused = qmatmul._Fused()
     monkeypatch.setattr(qmatmul, "_FUSED", fused)
     shapes = [(32 * (i + 2), 64) for i in range(qmatmul.MAX_KINDS + 1)]

@@ -1,0 +1,202 @@
+/* Products with Q4_0 / Q4_1 weights, straight from their blocks, for a few rows (decoding).
+ * Built and loaded by backend/formats/native.py (see there for why and what it measured).
+ *
+ * A weight [N, K] is N rows of K/32 blocks. Q4_1: f16 d, f16 m, 16 bytes; Q4_0: f16 d,
+ * 16 bytes. Byte i holds element i in its low nibble and element i + 16 in its high one.
+ * Q4_1 element = d * q + m; Q4_0 element = d * (q - 8). Each output is summed as
+ *
+ *     y[r, n] = sum_b d[n, b] * (q[n, b, :] . x[r, b, :])  +  sum_b c[n, b] * sum(x[r, b, :])
+ *
+ * with c = m (Q4_1) or -8 d (Q4_0): the weights are widened to float once per block and
+ * the scale is applied once per block. Every row of x is reduced on its own, in the same
+ * order whatever the other rows are, so a row's result does not depend on its batch-mates.
+ * Build with -ffp-contract=off: a scalar multiply-add is then never fused in one place and
+ * not another.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the native Q4 kernels need AVX2, FMA and F16C"
+#endif
+
+#define ROWS 8 /* rows of x reduced together (accumulators in registers) */
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+#ifdef __AVX512F__
+typedef __m512 acc_t;
+static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
+static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
+/* One block of weight row W: its 32 widened weights times each x row, added to ACC. */
+#define BLOCK(W, ACC, TAIL)                                                                  \
+    {                                                                                        \
+        const uint8_t *blk = (W) + (size_t)b * bs;                                           \
+        float d = f16_at(blk), c = q4_1 ? f16_at(blk + 2) : -8.f * d;                        \
+        __m128i q = _mm_loadu_si128((const __m128i *)(blk + (q4_1 ? 4 : 2)));                \
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));         \
+        __m512 w1 =                                                                          \
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low))); \
+        __m512 dv = _mm512_set1_ps(d);                                                       \
+        for (int r = 0; r < m; r++) {                                                        \
+            const float *xb = x + (size_t)r * k + (size_t)b * 32;                            \
+            __m512 s = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));                               \
+            s = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), s);                            \
+            ACC[r] = _mm512_fmadd_ps(dv, s, ACC[r]);                                         \
+            TAIL[r] += c * xsum[(size_t)r * nb + b];                                         \
+        }                                                                                    \
+    }
+#else
+typedef __m256 acc_t;
+static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
+static inline float acc_sum(acc_t a) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+#define BLOCK(W, ACC, TAIL)                                                                  \
+    {                                                                                        \
+        const uint8_t *blk = (W) + (size_t)b * bs;                                           \
+        float d = f16_at(blk), c = q4_1 ? f16_at(blk + 2) : -8.f * d;                        \
+        __m128i q = _mm_loadu_si128((const __m128i *)(blk + (q4_1 ? 4 : 2)));                \
+        __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);   \
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));                            \
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));         \
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));                            \
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));         \
+        __m256 dv = _mm256_set1_ps(d);                                                       \
+        for (int r = 0; r < m; r++) {                                                        \
+            const float *xb = x + (size_t)r * k + (size_t)b * 32;                            \
+            __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));                               \
+            s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);                             \
+            s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);                            \
+            s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);                            \
+            ACC[r] = _mm256_fmadd_ps(dv, s, ACC[r]);                                         \
+            TAIL[r] += c * xsum[(size_t)r * nb + b];                                         \
+        }                                                                                    \
+    }
+#endif
+
+/* y[r, n] for r < m (m <= ROWS) and n0 <= n < n1; y has row stride ldy. */
+static void q4_cols(const uint8_t *w, int q4_1, const float *x, const float *xsum, int m, int k,
+                    float *y, int ldy, int n0, int n1) {
+    const int nb = k / 32, bs = q4_1 ? 20 : 18;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    int n = n0;
+    /* Two weight rows at a time give two independent chains; each output's operations
+       (so its rounding) are the same as when it is computed alone. */
+    for (; n + 1 < n1; n += 2) {
+        const uint8_t *wa = w + (size_t)n * nb * bs, *wb = wa + (size_t)nb * bs;
+        acc_t aa[ROWS], ab[ROWS];
+        float ta[ROWS], tb[ROWS];
+        for (int r = 0; r < m; r++) {
+            aa[r] = ab[r] = acc_zero();
+            ta[r] = tb[r] = 0.f;
+        }
+        for (int b = 0; b < nb; b++) {
+            BLOCK(wa, aa, ta)
+            BLOCK(wb, ab, tb)
+        }
+        for (int r = 0; r < m; r++) {
+            y[(size_t)r * ldy + n] = acc_sum(aa[r]) + ta[r];
+            y[(size_t)r * ldy + n + 1] = acc_sum(ab[r]) + tb[r];
+        }
+    }
+    for (; n < n1; n++) {
+        const uint8_t *wa = w + (size_t)n * nb * bs;
+        acc_t aa[ROWS];
+        float ta[ROWS];
+        for (int r = 0; r < m; r++) {
+            aa[r] = acc_zero();
+            ta[r] = 0.f;
+        }
+        for (int b = 0; b < nb; b++) BLOCK(wa, aa, ta)
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(aa[r]) + ta[r];
+    }
+}
+
+/* xsum[r, b] = sum of block b of row r (left to right, 8 at a time). */
+static void block_sums(const float *x, float *xsum, int m, int k) {
+    const int nb = k / 32;
+    for (int r = 0; r < m; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * k + (size_t)b * 32;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            v = _mm_add_ss(v, _mm_movehdup_ps(v));
+            xsum[(size_t)r * nb + b] = _mm_cvtss_f32(v);
+        }
+}
+
+/* Column chunks shared out among the threads: enough for balance, big enough to pair. */
+static int n_chunks(int n) { return n < 128 ? 1 : (n < 4096 ? n / 32 : 128); }
+
+/* y [M, N] = x [M, K] @ W.T for W [N, K] in Q4 blocks. 0 on success, -1 if out of memory. */
+int bevy_q4_linear(const uint8_t *w, int q4_1, const float *x, float *y, int M, int N, int K) {
+    const int nb = K / 32, chunks = n_chunks(N);
+    float *xsum = malloc(sizeof(float) * (size_t)M * nb + 1);
+    if (!xsum) return -1;
+    block_sums(x, xsum, M, K);
+    for (int r0 = 0; r0 < M; r0 += ROWS) {
+        int m = M - r0 < ROWS ? M - r0 : ROWS;
+#pragma omp parallel for schedule(static)
+        for (int t = 0; t < chunks; t++)
+            q4_cols(w, q4_1, x + (size_t)r0 * K, xsum + (size_t)r0 * nb, m, K,
+                    y + (size_t)r0 * N, N, (int)((long)N * t / chunks),
+                    (int)((long)N * (t + 1) / chunks));
+    }
+    free(xsum);
+    return 0;
+}
+
+/* out [M, hidden] = down(silu(gate(x)) * up(x)) for one expert; x [M, hidden]; gate and up
+   [inner, hidden], down [hidden, inner]. types: bit 0/1/2 set if gate/up/down is Q4_1.
+   0 on success, -1 if out of memory. */
+int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int types,
+                       const float *x, float *out, int M, int inner, int hidden) {
+    const int gq = types & 1, uq = (types >> 1) & 1, dq = (types >> 2) & 1;
+    const int nbh = hidden / 32, nbi = inner / 32;
+    const int ci = n_chunks(inner), ch = n_chunks(hidden);
+    float *h = malloc(sizeof(float) * ((size_t)M * inner * 2 + (size_t)M * (nbh + nbi)) + 1);
+    if (!h) return -1;
+    float *u = h + (size_t)M * inner, *xsum = u + (size_t)M * inner, *hsum = xsum + (size_t)M * nbh;
+    block_sums(x, xsum, M, hidden);
+    for (int r0 = 0; r0 < M; r0 += ROWS) {
+        int m = M - r0 < ROWS ? M - r0 : ROWS;
+        const float *xr = x + (size_t)r0 * hidden, *xs = xsum + (size_t)r0 * nbh;
+        float *hr = h + (size_t)r0 * inner, *ur = u + (size_t)r0 * inner;
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int t = 0; t < ci; t++) {
+                int n0 = (int)((long)inner * t / ci), n1 = (int)((long)inner * (t + 1) / ci);
+                q4_cols(gate, gq, xr, xs, m, hidden, hr, inner, n0, n1);
+                q4_cols(up, uq, xr, xs, m, hidden, ur, inner, n0, n1);
+                for (int r = 0; r < m; r++)
+                    for (int n = n0; n < n1; n++) {
+                        float g = hr[(size_t)r * inner + n];
+                        hr[(size_t)r * inner + n] = g / (1.f + expf(-g)) * ur[(size_t)r * inner + n];
+                    }
+            }
+#pragma omp single
+            block_sums(hr, hsum + (size_t)r0 * nbi, m, inner);
+            /* (the implicit barrier after single: every thread sees all of hsum) */
+#pragma omp for schedule(static)
+            for (int t = 0; t < ch; t++)
+                q4_cols(down, dq, hr, hsum + (size_t)r0 * nbi, m, inner, out + (size_t)r0 * hidden,
+                        hidden, (int)((long)hidden * t / ch), (int)((long)hidden * (t + 1) / ch));
+        }
+    }
+    free(h);
+    return 0;
+}

@@ -1,0 +1,88 @@
+"""The hand-written Q4 kernels: both instruction-set variants, the build cache, fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.formats import native, qmatmul
+from backend.formats.quants import QType, dequantize
+from tests.backend.formats.test_qmatmul import HIDDEN, INNER, _expert, _raw
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="no native Q4 kernels here (x86-64 with AVX2 and cc)"
+)
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The library this machine uses, and one built without AVX-512 (the AVX2 code path,
+    which machines without AVX-512 run)."""
+    if request.param == "native":
+        return native.library()
+    return native.build(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
+@pytest.mark.parametrize("rows", [1, 2, 9, 17])  # more rows than one pass of 8 takes
+def test_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: QType, rows: int):
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 291  # odd: the last column is computed alone, the others in pairs
+    raw = _raw(qtype, n, HIDDEN, seed=rows)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+    got = native.linear(raw, qtype, (n, HIDDEN), x)
+    ref = F.linear(x, dequantize(raw, qtype, (n, HIDDEN)))
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for lo, hi in ((0, 1), (rows - 1, rows), (1, rows)):
+        assert torch.equal(native.linear(raw, qtype, (n, HIDDEN), x[lo:hi]), got[lo:hi])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+def test_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
+    monkeypatch.setattr(native, "_lib", lib)
+    parts = _expert((QType.Q4_0, QType.Q4_1, QType.Q4_0), seed=rows)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+    got = native.expert_mlp(parts, x)
+    g, u, d = (dequantize(raw, q, s) for raw, q, s in parts)
+    ref = F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+    assert got.shape == (rows, HIDDEN)
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for i in range(rows):
+        assert torch.equal(native.expert_mlp(parts, x[i : i + 1])[0], got[i])
+
+
+def test_arguments_it_does_not_take_are_refused():
+    parts = _expert((QType.Q4_1,) * 3)
+    assert native.expert_mlp(parts, torch.randn(2, HIDDEN + 32)) is None  # wrong width
+    assert native.expert_mlp(parts, torch.randn(2, HIDDEN, dtype=torch.float64)) is None
+    swapped = (parts[0], parts[1], (parts[2][0], QType.Q4_1, (INNER, HIDDEN)))
+    assert native.expert_mlp(swapped, torch.randn(2, HIDDEN)) is None
+    raw = _raw(QType.Q4_1, 64, HIDDEN, seed=0)
+    assert native.linear(raw, QType.Q8_0, (64, HIDDEN), torch.randn(1, HIDDEN)) is None
+    assert native.linear(raw, QType.Q4_1, (65, HIDDEN), torch.randn(1, HIDDEN)) is None
+    assert native.linear(raw, QType.Q4_1, (64, HIDDEN), torch.randn(0, HIDDEN)).shape == (0, 64)
+
+
+def test_a_build_is_reused_and_a_failed_one_leaves_the_graphs(tmp_path, monkeypatch):
+    first = native.build(tmp_path)
+    (built,) = tmp_path.glob("native_q4-*.so")
+    stamp = built.stat().st_mtime_ns
+    native.build(tmp_path)
+    assert built.stat().st_mtime_ns == stamp and len(list(tmp_path.glob("*"))) == 1
+    assert first is not None
+
+    # No compiler: library() says so once and the graphs (or dequantizing) take over.
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("BEVY_CACHE_DIR", str(tmp_path / "fresh"))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    assert native.library() is None and not native.available()
+    parts = _expert((QType.Q4_1,) * 3)
+    x = torch.randn(1, HIDDEN)
+    assert native.expert_mlp(parts, x) is None
+    assert qmatmul.expert_mlp(parts, x) is not None  # the compiled graphs
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setenv("BEVY_NATIVE", "0")
+    monkeypatch.delenv("CC")
+    assert native.library() is None
