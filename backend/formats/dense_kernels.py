@@ -6,6 +6,7 @@ a compiled kernel: Q4_0 / Q4_1 weights (attention projections, q/k/v stacked int
 run straight from their stored blocks with ``qmatmul``'s per-row graphs, other weights
 (the LM head) run on their float32 tensor in one pass for all rows. Both are traced once
 per row bucket and compiled by Inductor like the expert kernels (``qmatmul._Compiled``).
+Q4 weights run on ``backend.formats.native``'s kernel instead where it builds.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """A routed expert's MLP computed straight from its quantized blocks (CPU, few rows).
 ``backend.formats.dense_kernels`` uses the same graphs for dense weights.
 
+Where the hand-written kernels of ``backend.formats.native`` build (x86-64 with AVX2 and a
+C compiler), ``expert_mlp`` runs them instead: about 1.5x faster for one row, and
+nothing to compile per shape. The graphs below are the fallback everywhere else.
+
 Decoding tokens reach each expert one or two rows at a time. Dequantizing the whole
 expert for them (three float32 matrices written and read back, ~10 MB for a demo
 expert) costs several times the arithmetic. Here compiled (Inductor) graphs read the

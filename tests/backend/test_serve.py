@@ -77,7 +77,10 @@ def server(
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        assert f"{url}/v1" in out.read_text()  # the one line announcing the server
+        # The one line announcing the server: printed just after it starts answering.
+        while f"{url}/v1" not in out.read_text():
+            assert time.monotonic() < deadline, f"no announcement: {out.read_text()!r}"
+            time.sleep(0.05)
         yield url
     finally:
         proc.terminate()
