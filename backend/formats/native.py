@@ -14,7 +14,9 @@ It needs a C compiler with OpenMP (``cc``, or ``$CC``) and an x86-64 CPU with AV
 F16C; elsewhere, or if the build fails, ``available()`` is False and callers keep
 their compiled graphs. ``BEVY_NATIVE=0`` (or ``BEVY_COMPILE=0``) turns it off. The
 library is built with ``-march=native`` into the cache directory under a name that
-hashes the source, the flags and the CPU, so a copied cache never runs on the wrong CPU.
+hashes the source, the flags, the compiler and the CPU (model and feature flags on Linux;
+elsewhere only the platform's description of the processor). It runs on as many threads
+as torch's intra-op setting of the calling thread.
 
 Results agree with dequantize-then-matmul to float32 rounding (~1e-6 relative), like
 the graphs; each row is reduced on its own, so a row's result is the same alone and in
@@ -50,6 +52,10 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
+class UnsupportedCPU(OSError):
+    """The kernels are not written for this processor (expected there: not a warning)."""
+
+
 def _cpu_id() -> str:
     """What -march=native compiles for: the CPU's model and feature flags where the OS
     lists them (Linux), else the platform's description."""
@@ -64,7 +70,7 @@ def _cpu_id() -> str:
 def build(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Compile (or reuse the cached build of) the kernels and load them. Raises on failure."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise OSError(f"the native Q4 kernels are written for x86-64, not {platform.machine()}")
+        raise UnsupportedCPU(f"they are written for x86-64, not {platform.machine()}")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc) found")
@@ -93,11 +99,15 @@ def build(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> cty
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(path))  # a CDLL call releases the GIL while it runs
+    try:
+        lib = ctypes.CDLL(str(path))  # a CDLL call releases the GIL while it runs
+    except OSError:
+        path.unlink(missing_ok=True)  # a damaged cache entry: built again next time
+        raise
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.bevy_q4_linear.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32]
+    lib.bevy_q4_linear.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32, i32]
     lib.bevy_q4_linear.restype = i32
-    lib.bevy_q4_expert_mlp.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, i32, i32, i32]
+    lib.bevy_q4_expert_mlp.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, i32, i32, i32, i32]
     lib.bevy_q4_expert_mlp.restype = i32
     return lib
 
@@ -114,8 +124,14 @@ def library() -> ctypes.CDLL | None:
             else:
                 try:
                     _lib = build()
-                except Exception as exc:  # no compiler, another CPU, a sandbox: graphs instead
-                    log.info("native Q4 kernels unavailable (%s); using compiled graphs", exc)
+                except UnsupportedCPU as exc:
+                    log.info("native Q4 kernels not used: %s", exc)
+                except Exception as exc:  # no compiler, no OpenMP, a sandbox: graphs instead
+                    log.warning(
+                        "native Q4 kernels unavailable (%s); quantized products use the "
+                        "slower compiled graphs",
+                        exc,
+                    )
             _tried = True
     return _lib
 
@@ -156,10 +172,17 @@ def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Ten
     x = x.contiguous()
     if not _rows_ok(x, k):
         return None
-    y = torch.empty(x.shape[0], n)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
         rc = lib.bevy_q4_linear(
-            raw.data_ptr(), qtype == QType.Q4_1, x.data_ptr(), y.data_ptr(), x.shape[0], n, k
+            raw.data_ptr(),
+            qtype == QType.Q4_1,
+            x.data_ptr(),
+            y.data_ptr(),
+            x.shape[0],
+            n,
+            k,
+            torch.get_num_threads(),
         )
         if rc:
             raise MemoryError("native Q4 linear: out of memory")
@@ -184,7 +207,7 @@ def expert_mlp(parts: tuple, x: torch.Tensor):
     x = x.contiguous()
     if not _rows_ok(x, hidden):
         return None
-    out = torch.empty(x.shape[0], hidden)
+    out = torch.empty(x.shape[0], hidden, dtype=torch.float32)
     if x.shape[0]:
         types = (gq == QType.Q4_1) | (uq == QType.Q4_1) << 1 | (dq == QType.Q4_1) << 2
         rc = lib.bevy_q4_expert_mlp(
@@ -197,6 +220,7 @@ def expert_mlp(parts: tuple, x: torch.Tensor):
             x.shape[0],
             inner,
             hidden,
+            torch.get_num_threads(),
         )
         if rc:
             raise MemoryError("native Q4 expert MLP: out of memory")

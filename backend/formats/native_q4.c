@@ -5,10 +5,11 @@
  * 16 bytes. Byte i holds element i in its low nibble and element i + 16 in its high one.
  * Q4_1 element = d * q + m; Q4_0 element = d * (q - 8). Each output is summed as
  *
- *     y[r, n] = sum_b d[n, b] * (q[n, b, :] . x[r, b, :])  +  sum_b c[n, b] * sum(x[r, b, :])
+ *     Q4_1: y[r, n] = sum_b d[n, b] * (q[n, b, :] . x[r, b, :])  +  sum_b m[n, b] * sum(x[r, b, :])
+ *     Q4_0: y[r, n] = sum_b d[n, b] * ((q[n, b, :] - 8) . x[r, b, :])
  *
- * with c = m (Q4_1) or -8 d (Q4_0): the weights are widened to float once per block and
- * the scale is applied once per block. Every row of x is reduced on its own, in the same
+ * the weights widened to float once per block (q - 8 taken in integers) and each scale
+ * applied once per block. Every row of x is reduced on its own, in the same
  * order whatever the other rows are, so a row's result does not depend on its batch-mates.
  * Build with -ffp-contract=off: a scalar multiply-add is then never fused in one place and
  * not another.
@@ -23,7 +24,7 @@
 #error "the native Q4 kernels need AVX2, FMA and F16C"
 #endif
 
-#define ROWS 8 /* rows of x reduced together (accumulators in registers) */
+#define ROWS 8 /* rows of x reduced together, each weight block widened once for them */
 
 static inline float f16_at(const uint8_t *p) {
     uint16_t h;
@@ -39,18 +40,19 @@ static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
 #define BLOCK(W, ACC, TAIL)                                                                  \
     {                                                                                        \
         const uint8_t *blk = (W) + (size_t)b * bs;                                           \
-        float d = f16_at(blk), c = q4_1 ? f16_at(blk + 2) : -8.f * d;                        \
+        float d = f16_at(blk), c = q4_1 ? f16_at(blk + 2) : 0.f;                             \
         __m128i q = _mm_loadu_si128((const __m128i *)(blk + (q4_1 ? 4 : 2)));                \
-        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));         \
-        __m512 w1 =                                                                          \
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low))); \
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(q, low), off);                               \
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low), off);            \
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));                            \
+        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));                            \
         __m512 dv = _mm512_set1_ps(d);                                                       \
         for (int r = 0; r < m; r++) {                                                        \
             const float *xb = x + (size_t)r * k + (size_t)b * 32;                            \
             __m512 s = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));                               \
             s = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), s);                            \
             ACC[r] = _mm512_fmadd_ps(dv, s, ACC[r]);                                         \
-            TAIL[r] += c * xsum[(size_t)r * nb + b];                                         \
+            if (q4_1) TAIL[r] += c * xsum[(size_t)r * nb + b];                               \
         }                                                                                    \
     }
 #else
@@ -65,13 +67,14 @@ static inline float acc_sum(acc_t a) {
 #define BLOCK(W, ACC, TAIL)                                                                  \
     {                                                                                        \
         const uint8_t *blk = (W) + (size_t)b * bs;                                           \
-        float d = f16_at(blk), c = q4_1 ? f16_at(blk + 2) : -8.f * d;                        \
+        float d = f16_at(blk), c = q4_1 ? f16_at(blk + 2) : 0.f;                             \
         __m128i q = _mm_loadu_si128((const __m128i *)(blk + (q4_1 ? 4 : 2)));                \
-        __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);   \
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));                            \
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));         \
-        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));                            \
-        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));         \
+        __m128i lo = _mm_sub_epi8(_mm_and_si128(q, low), off);                               \
+        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), low), off);            \
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));                            \
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));         \
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));                            \
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));         \
         __m256 dv = _mm256_set1_ps(d);                                                       \
         for (int r = 0; r < m; r++) {                                                        \
             const float *xb = x + (size_t)r * k + (size_t)b * 32;                            \
@@ -80,7 +83,7 @@ static inline float acc_sum(acc_t a) {
             s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);                            \
             s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);                            \
             ACC[r] = _mm256_fmadd_ps(dv, s, ACC[r]);                                         \
-            TAIL[r] += c * xsum[(size_t)r * nb + b];                                         \
+            if (q4_1) TAIL[r] += c * xsum[(size_t)r * nb + b];                               \
         }                                                                                    \
     }
 #endif
@@ -89,7 +92,7 @@ static inline float acc_sum(acc_t a) {
 static void q4_cols(const uint8_t *w, int q4_1, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
     const int nb = k / 32, bs = q4_1 ? 20 : 18;
-    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_set1_epi8(0x0F), off = _mm_set1_epi8(q4_1 ? 0 : 8);
     int n = n0;
     /* Two weight rows at a time give two independent chains; each output's operations
        (so its rounding) are the same as when it is computed alone. */
@@ -123,7 +126,7 @@ static void q4_cols(const uint8_t *w, int q4_1, const float *x, const float *xsu
     }
 }
 
-/* xsum[r, b] = sum of block b of row r (left to right, 8 at a time). */
+/* xsum[r, b] = sum of block b of row r (four vectors of 8 added pairwise, then across). */
 static void block_sums(const float *x, float *xsum, int m, int k) {
     const int nb = k / 32;
     for (int r = 0; r < m; r++)
@@ -141,15 +144,17 @@ static void block_sums(const float *x, float *xsum, int m, int k) {
 /* Column chunks shared out among the threads: enough for balance, big enough to pair. */
 static int n_chunks(int n) { return n < 128 ? 1 : (n < 4096 ? n / 32 : 128); }
 
-/* y [M, N] = x [M, K] @ W.T for W [N, K] in Q4 blocks. 0 on success, -1 if out of memory. */
-int bevy_q4_linear(const uint8_t *w, int q4_1, const float *x, float *y, int M, int N, int K) {
+/* y [M, N] = x [M, K] @ W.T for W [N, K] in Q4 blocks, on `threads` threads. 0 on success,
+   -1 if out of memory. */
+int bevy_q4_linear(const uint8_t *w, int q4_1, const float *x, float *y, int M, int N, int K,
+                   int threads) {
     const int nb = K / 32, chunks = n_chunks(N);
     float *xsum = malloc(sizeof(float) * (size_t)M * nb + 1);
     if (!xsum) return -1;
     block_sums(x, xsum, M, K);
     for (int r0 = 0; r0 < M; r0 += ROWS) {
         int m = M - r0 < ROWS ? M - r0 : ROWS;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
         for (int t = 0; t < chunks; t++)
             q4_cols(w, q4_1, x + (size_t)r0 * K, xsum + (size_t)r0 * nb, m, K,
                     y + (size_t)r0 * N, N, (int)((long)N * t / chunks),
@@ -161,9 +166,9 @@ int bevy_q4_linear(const uint8_t *w, int q4_1, const float *x, float *y, int M, 
 
 /* out [M, hidden] = down(silu(gate(x)) * up(x)) for one expert; x [M, hidden]; gate and up
    [inner, hidden], down [hidden, inner]. types: bit 0/1/2 set if gate/up/down is Q4_1.
-   0 on success, -1 if out of memory. */
+   On `threads` threads; 0 on success, -1 if out of memory. */
 int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int types,
-                       const float *x, float *out, int M, int inner, int hidden) {
+                       const float *x, float *out, int M, int inner, int hidden, int threads) {
     const int gq = types & 1, uq = (types >> 1) & 1, dq = (types >> 2) & 1;
     const int nbh = hidden / 32, nbi = inner / 32;
     const int ci = n_chunks(inner), ch = n_chunks(hidden);
@@ -175,7 +180,7 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
         int m = M - r0 < ROWS ? M - r0 : ROWS;
         const float *xr = x + (size_t)r0 * hidden, *xs = xsum + (size_t)r0 * nbh;
         float *hr = h + (size_t)r0 * inner, *ur = u + (size_t)r0 * inner;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
         {
 #pragma omp for schedule(static)
             for (int t = 0; t < ci; t++) {

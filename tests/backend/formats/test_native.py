@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,6 +54,69 @@ def test_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     for i in range(rows):
         assert torch.equal(native.expert_mlp(parts, x[i : i + 1])[0], got[i])
+
+
+def test_wide_expert_on_several_threads_and_on_one(lib, monkeypatch):
+    """Shapes that split into many column chunks (the demo's are 1536 x 576): the same
+    result, bit for bit, on one thread as on two, close to dequantize-then-matmul."""
+    monkeypatch.setattr(native, "_lib", lib)
+    inner, hidden = 288, 160
+    shapes = ((inner, hidden), (inner, hidden), (hidden, inner))
+    qtypes = (QType.Q4_1, QType.Q4_0, QType.Q4_1)
+    parts = tuple(
+        (_raw(q, *shape, seed=i), q, shape)
+        for i, (q, shape) in enumerate(zip(qtypes, shapes, strict=True))
+    )
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = native.expert_mlp(parts, x)
+        torch.set_num_threads(1)
+        one = native.expert_mlp(parts, x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    g, u, d = (dequantize(raw, q, s) for raw, q, s in parts)
+    ref = F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+    assert (two - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
+def test_rows_with_a_large_mean_stay_accurate(lib, monkeypatch, qtype: QType):
+    """Against float64 on the same weights, within float32 rounding of the sum of |w x|:
+    no term much larger than the result is added and taken away again."""
+    monkeypatch.setattr(native, "_lib", lib)
+    n, k = 64, 4096
+    raw = _raw(qtype, n, k, seed=9)
+    x = 3.0 + torch.randn(2, k, generator=torch.Generator().manual_seed(9))
+    got = native.linear(raw, qtype, (n, k), x).double()
+    w = dequantize(raw, qtype, (n, k)).double()
+    ref = x.double() @ w.T
+    scale = x.double().abs() @ w.abs().T
+    assert ((got - ref).abs() / scale).max().item() <= 2e-6
+
+
+def test_no_byte_past_the_weights_is_read(lib, monkeypatch):
+    """Weights that end where the readable memory ends (an inaccessible page follows):
+    a read past them would crash the test process."""
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 40
+    raw = _raw(QType.Q4_0, n, HIDDEN, seed=4)
+    page = mmap.PAGESIZE
+    size = -(-raw.numel() // page) * page
+    mem = mmap.mmap(-1, size + page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + size, page, 0) == 0  # PROT_NONE after the weights
+    arr = np.frombuffer(mem, dtype=np.uint8, count=size)
+    at = size - raw.numel()
+    arr[at:] = raw.numpy()
+    tail = torch.from_numpy(arr[at:])
+    x = torch.randn(3, HIDDEN)
+    got = native.linear(tail, QType.Q4_0, (n, HIDDEN), x)
+    assert torch.equal(got, native.linear(raw, QType.Q4_0, (n, HIDDEN), x))
 
 
 def test_arguments_it_does_not_take_are_refused():
