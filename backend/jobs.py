@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from backend.cache import ExpertCache
-from backend.formats import qmatmul
+from backend.formats import native, qmatmul
 from backend.models.transformer import SeqSlice, Transformer
 from backend.models.weights import ExpertRef, ExpertWeights, dequantize_slot
 from backend.request import Request
@@ -48,6 +48,12 @@ class JobRunner:
         self.layouts = layouts
         self.working_set = working_set
         self._decoded: OrderedDict[tuple[int, int], tuple[int, int, ExpertWeights]] = OrderedDict()
+        # (layer, expert) -> (its layout, the native kernels' type bits or None), and
+        # whether whole MoE layers may go to them at all (stored slots in CPU memory).
+        self._kinds: dict[tuple[int, int], tuple[tuple, int | None]] = {}
+        self._native_moe = (
+            not slots.is_floating_point() and slots.device.type == "cpu" and slots.dim() == 2
+        )
         self.on_route: Callable[[Request], None] = lambda r: None
 
     def expert(self, layer: int, e: int) -> ExpertWeights:
@@ -158,12 +164,12 @@ class JobRunner:
         """Apply this run's experts; set ``acc`` of the requests whose MoE is complete.
 
         A request that gets all its experts in this run sums them straight into ``y``
-        (index_add_ in expert order, as the sequential model does). A one-token request
-        that gets them over several runs (riding) keeps each expert's contribution in
-        ``parts`` and sums them in the same expert order when the last arrives, as a
-        whole job would. Longer ones (a prompt streaming through a cache smaller than its
-        experts) accumulate as they go: a few KB per expert and token would add up to
-        gigabytes for a long prompt on a wide model."""
+        (in expert order, as the sequential model does). A one-token request that gets
+        them over several runs (riding) keeps each expert's contribution in ``parts`` and
+        sums them in the same expert order when the last arrives, as a whole job would.
+        Longer ones (a prompt streaming through a cache smaller than its experts)
+        accumulate as they go: a few KB per expert and token would add up to gigabytes
+        for a long prompt on a wide model."""
         subsets = [{e for _, e in r.claim} for r in group] + [s for _, s in riders]
         members = [*group, *(r for r, _ in riders)]
         whole = [
@@ -178,6 +184,37 @@ class JobRunner:
         else:
             x = torch.cat([r.x for r in members])
             w = torch.cat([r.route_w for r in members])
+        y = None
+        if all(r.n == 1 for r in members[n_whole:]):
+            y = self._moe_native(layer, members, subsets, n_whole, x, w)
+        if y is None:
+            y = self._moe_torch(layer, members, subsets, n_whole, x, w)
+        row = 0
+        for r, s in zip(members[:n_whole], subsets[:n_whole], strict=True):
+            r.acc, r.done = y[row : row + r.n], set(s)
+            row += r.n
+        for r, s in zip(members[n_whole:], subsets[n_whole:], strict=True):
+            r.done |= s
+            if r.n == 1 and len(r.done) == len(r.needed):
+                acc = r.x.new_zeros(1, r.x.shape[1])
+                for e in sorted(r.parts):
+                    acc += r.parts[e]
+                r.acc = acc
+            elif r.n > 1 and r.acc is None:  # none of its rows routed to this run's experts
+                r.acc = r.x.new_zeros(r.n, r.x.shape[1])
+        return [r for r in members if len(r.done) == len(r.needed)]
+
+    def _moe_torch(
+        self,
+        layer: int,
+        members: Sequence[Request],
+        subsets: Sequence[set[int]],
+        n_whole: int,
+        x: torch.Tensor,
+        w: torch.Tensor,
+    ) -> torch.Tensor:
+        """``_moe``'s products one expert at a time (``mlp``): the whole members' sum
+        ``y`` [their rows, D]; the others get their ``parts`` or ``acc`` (``_spans``)."""
         # Routes to experts outside a request's subset this run are hidden (-1).
         ids = [
             r.route_ids
@@ -224,20 +261,75 @@ class JobRunner:
             else:
                 y.index_add_(0, rows[sl], out)
             at, size, chunk = at + size, 0, []
-        row = 0
-        for r, s in zip(members[:n_whole], subsets[:n_whole], strict=True):
-            r.acc, r.done = y[row : row + r.n], set(s)
-            row += r.n
-        for r, s in zip(others, subsets[n_whole:], strict=True):
-            r.done |= s
-            if r.n == 1 and len(r.done) == len(r.needed):
-                acc = r.x.new_zeros(1, r.x.shape[1])
-                for e in sorted(r.parts):
-                    acc += r.parts[e]
-                r.acc = acc
-            elif r.n > 1 and r.acc is None:  # none of its rows routed to this run's experts
-                r.acc = r.x.new_zeros(r.n, r.x.shape[1])
-        return [r for r in members if len(r.done) == len(r.needed)]
+        return y
+
+    def _moe_native(
+        self,
+        layer: int,
+        members: Sequence[Request],
+        subsets: Sequence[set[int]],
+        n_whole: int,
+        x: torch.Tensor,
+        w: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """``_moe_torch``'s work in one call to the native kernels (``native.moe``), with
+        no Python or torch op per expert, for whole members and one-token others: the
+        same bits (each expert on its rows, scaled, added or kept per expert in expert
+        order). None where ``_moe_torch`` must run instead: decoded or device slots, a
+        block type the kernels do not take, an expert with more than ``qmatmul.MAX_ROWS``
+        rows (those take BLAS there), no kernels."""
+        if not self._native_moe:
+            return None
+        ids = (
+            members[0].route_ids if len(members) == 1 else torch.cat([r.route_ids for r in members])
+        )
+        k = ids.shape[1]
+        by_expert: dict[int, list[int]] = {}
+        i = 0
+        for m, (r, s) in enumerate(zip(members, subsets, strict=True)):
+            for row_ids in ids[i // k : i // k + r.n].tolist():
+                for e in row_ids:
+                    if m < n_whole or e in s:
+                        by_expert.setdefault(e, []).append(i)  # rows ascending
+                    i += 1
+        base, stride = self.slots.data_ptr(), self.slots.stride(0)
+        width = self.slots.shape[1]
+        weights: list[int] = []
+        types: list[int] = []
+        counts: list[int] = []
+        routes: list[int] = []
+        for e in sorted(by_expert):
+            rs = by_expert[e]
+            key = (layer, e)
+            at = self.layouts[key]
+            kind = self._kinds.get(key)
+            if kind is None or kind[0] != at:
+                parts = self.experts[layer][e].parts
+                bits = native.mlp_types(tuple((p.qtype, p.shape, p.nbytes) for p in parts))
+                if any(o < 0 or o + p.nbytes > width for o, p in zip(at, parts, strict=True)):
+                    bits = None
+                kind = self._kinds[key] = (at, bits)
+            if kind[1] is None or len(rs) > qmatmul.MAX_ROWS:
+                return None
+            row = base + self.cache.slot_of[key] * stride
+            weights += (row + at[0], row + at[1], row + at[2])
+            types.append(kind[1])
+            counts.append(len(rs))
+            routes += rs
+        whole_rows = sum(r.n for r in members[:n_whole])
+        inner, hidden = self.experts[layer][0].gate.shape
+        done = native.moe(weights, types, counts, routes, x, w, inner, hidden, whole_rows)
+        if done is None:
+            return None
+        y, parts = done
+        if n_whole < len(members):  # one row each: route i is row i // k
+            j = 0
+            for e, n in zip(sorted(by_expert), counts, strict=True):
+                for i in routes[j : j + n]:
+                    if i // k >= whole_rows:
+                        members[n_whole + i // k - whole_rows].parts[e] = parts[j : j + 1]
+                    j += 1
+        return y
 
     @staticmethod
     def _spans(

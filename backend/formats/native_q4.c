@@ -26,6 +26,7 @@
 
 #define ROWS 8 /* rows of x reduced together, each weight block widened once for them */
 
+
 static inline float f16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -203,5 +204,54 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
         }
     }
     free(h);
+    return 0;
+}
+
+/* A whole MoE layer for a batch of rows, in one call (no Python between experts).
+   For each expert e < n_experts in turn, and each of its counts[e] routes in turn (taken
+   from `routes`, consecutively over the experts, route j overall): i = routes[j] is the
+   route's index in the [R, k] routing, so x[i / k] is its row and route_w[i] its weight,
+   and p = route_w[i] * mlp_e(x[i / k]) is added to y[i / k] if i / k < sum_rows (y
+   [sum_rows, hidden], zeroed by the caller), else written to parts[j] (parts [n_routes,
+   hidden]). The products and sums are those of running each expert alone, scaling its
+   outputs, then adding them in this order (as the engine's index_add_ path does): the
+   same bits. weights: gate, up, down addresses of each expert (3 per expert); types as
+   above, one per expert. On `threads` threads; 0 on success, -1 if out of memory. */
+int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, int n_experts,
+                const int *routes, const float *route_w, int k, const float *x, float *y,
+                float *parts, int sum_rows, int inner, int hidden, int threads) {
+    int most = 0;
+    for (int e = 0; e < n_experts; e++) most = counts[e] > most ? counts[e] : most;
+    float *xg = malloc(sizeof(float) * (size_t)most * hidden * 2 + 1);
+    if (!xg) return -1;
+    float *og = xg + (size_t)most * hidden;
+    int j0 = 0;
+    for (int e = 0; e < n_experts; j0 += counts[e], e++) {
+        const int c = counts[e], *r = routes + j0;
+        for (int j = 0; j < c; j++)
+            memcpy(xg + (size_t)j * hidden, x + (size_t)(r[j] / k) * hidden, sizeof(float) * hidden);
+        if (bevy_q4_expert_mlp((const uint8_t *)weights[3 * e], (const uint8_t *)weights[3 * e + 1],
+                               (const uint8_t *)weights[3 * e + 2], types[e], xg, og, c, inner,
+                               hidden, threads)) {
+            free(xg);
+            return -1;
+        }
+        for (int j = 0; j < c; j++) {
+            const float w = route_w[r[j]];
+            const int row = r[j] / k;
+            const float *o = og + (size_t)j * hidden;
+            if (row < sum_rows) {
+                float *yr = y + (size_t)row * hidden;
+                for (int i = 0; i < hidden; i++) {
+                    const float p = w * o[i]; /* rounded to float, as torch's product is */
+                    yr[i] += p;
+                }
+            } else {
+                float *pr = parts + (size_t)(j0 + j) * hidden;
+                for (int i = 0; i < hidden; i++) pr[i] = w * o[i];
+            }
+        }
+    }
+    free(xg);
     return 0;
 }

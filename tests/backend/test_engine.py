@@ -38,11 +38,12 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
     root = tmp_path_factory.mktemp("engine")
-    mixtral = write_gguf(
-        load_model(make_tiny("mixtral", root / "mixtral")), root / "mixtral.q8.gguf", QType.Q8_0
-    )
+    tiny = load_model(make_tiny("mixtral", root / "mixtral"))
+    mixtral = write_gguf(tiny, root / "mixtral.q8.gguf", QType.Q8_0)
+    mixtral_q4 = write_gguf(tiny, root / "mixtral.q4.gguf", QType.Q4_1)
     return {
         "mixtral-q8-gguf": load_model(mixtral),
+        "mixtral-q4-gguf": load_model(mixtral_q4),
         "qwen3-hf": load_model(make_tiny("qwen3_moe", root / "qwen3")),
         "qwen2-hf": load_model(make_tiny("qwen2_moe", root / "qwen2")),
     }
@@ -309,4 +310,46 @@ def test_expert_batches_change_no_result(models, monkeypatch, cache) -> None:
     for rid, f in fin.items():
         assert f.token_ids == fin3[rid].token_ids
         ours, theirs = torch.stack(logs[rid]), torch.stack(logs3[rid])
+        assert (ours - theirs).abs().max().item() <= 1e-5, rid
+
+
+@pytest.mark.parametrize("cache", ["min", "0.3", "1.0"])
+@pytest.mark.parametrize("policy", ["bevy", "sync"])
+def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
+    models, references, monkeypatch, policy: str, cache: str
+) -> None:
+    """Q4 experts in stored slots: each run's experts go to the native kernels in one call
+    (``native.moe``), riders' products included. Tokens and logits are those of plain
+    generation, and of the per-expert path it replaces."""
+    from backend.formats import native
+    from backend.jobs import JobRunner
+    from tests.backend.spy import spy
+
+    if not native.available():
+        pytest.skip("no native Q4 kernels here (x86-64 with AVX2 and a C compiler)")
+    model = models["mixtral-q4-gguf"]
+    size = str(model.config.top_k) if cache == "min" else cache
+    results = {}
+    for on in (True, False):
+        monkeypatch.undo()
+        calls = spy(monkeypatch, native, "moe")
+        if not on:
+            monkeypatch.setattr(JobRunner, "_moe_native", lambda *args: None)
+        eng = Engine(model, EngineConfig(policy=policy, cache=size, storage="ssd"))
+        try:
+            finished = run_staggered(eng)
+            assert sum(eng.cache.refs) == 0
+        finally:
+            eng.close()
+        results[on] = (finished, eng.logits_log, calls)
+    (fin, logs, calls), (fin0, logs0, calls0) = results[True], results[False]
+    assert calls and not calls0
+    if policy == "bevy" and cache == "0.3":
+        # some runs carried riders: their products came back one by one
+        assert any(args[8] < args[4].shape[0] for args, _ in calls)
+    for i, (tokens, logits) in enumerate(references["mixtral-q4-gguf"]):
+        rid = f"r{i}"
+        assert list(fin[rid].token_ids) == tokens == list(fin0[rid].token_ids), rid
+        ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
+        assert (ours - logits).abs().max().item() <= 1e-4, rid
         assert (ours - theirs).abs().max().item() <= 1e-5, rid

@@ -119,6 +119,68 @@ def test_no_byte_past_the_weights_is_read(lib, monkeypatch):
     assert torch.equal(got, native.linear(raw, QType.Q4_0, (n, HIDDEN), x))
 
 
+def _moe_case(seed: int, rows: int, k: int):
+    """Experts of mixed block types, routing of ``rows`` rows to ``k`` distinct experts
+    each (one expert takes every row: more than a pass of 8), and the kernels' arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    kinds = [(QType.Q4_1,) * 3, (QType.Q4_0,) * 3, (QType.Q4_0, QType.Q4_1, QType.Q4_1)]
+    experts = [_expert(kinds[e % 3], seed=seed * 10 + e) for e in range(6)]
+    ids = torch.stack(
+        [
+            torch.cat([torch.tensor([0]), 1 + torch.randperm(5, generator=gen)[: k - 1]])
+            for _ in range(rows)
+        ]
+    )
+    w = torch.rand(rows, k, generator=gen)
+    x = torch.randn(rows, HIDDEN, generator=gen)
+    by_expert: dict[int, list[int]] = {}
+    for i, e in enumerate(ids.flatten().tolist()):
+        by_expert.setdefault(e, []).append(i)
+    order = sorted(by_expert)
+    weights = [raw.data_ptr() for e in order for raw, _, _ in experts[e]]
+    types = [
+        native.mlp_types(tuple((q, s, raw.numel()) for raw, q, s in experts[e])) for e in order
+    ]
+    counts = [len(by_expert[e]) for e in order]
+    routes = [i for e in order for i in by_expert[e]]
+    return experts, ids, w, x, order, (weights, types, counts, routes)
+
+
+@pytest.mark.parametrize("sum_rows", [11, 7, 0])
+def test_moe_is_each_expert_alone_scaled_and_added_in_order(lib, monkeypatch, sum_rows: int):
+    """``moe`` gives the same bits as the per-expert path it replaces: each expert on its
+    rows (``expert_mlp``), times the route weight, index_add_ in expert order; the rows
+    past ``sum_rows`` get each route's product on its own instead."""
+    monkeypatch.setattr(native, "_lib", lib)
+    rows, k = 11, 3
+    experts, ids, w, x, order, args = _moe_case(sum_rows, rows, k)
+    y, parts = native.moe(*args, x, w, INNER, HIDDEN, sum_rows)
+    want = torch.zeros(rows, HIDDEN)
+    products = []
+    for e in order:
+        r, slot = (ids == e).nonzero(as_tuple=True)  # rows ascending
+        out = native.expert_mlp(experts[e], x[r]) * w[r, slot, None]
+        want.index_add_(0, r, out)
+        products += list(zip(r.tolist(), out, strict=True))
+    assert y.shape == (sum_rows, HIDDEN) and torch.equal(y, want[:sum_rows])
+    assert parts.shape[0] == (len(products) if sum_rows < rows else 0)
+    for j, (row, product) in enumerate(products):
+        if row >= sum_rows:
+            assert torch.equal(parts[j], product)
+
+
+def test_moe_refuses_arguments_that_do_not_agree():
+    experts, ids, w, x, order, (weights, types, counts, routes) = _moe_case(1, 3, 2)
+    with pytest.raises(ValueError):
+        native.moe(weights, types, counts, [*routes[:-1], w.numel()], x, w, INNER, HIDDEN)
+    with pytest.raises(ValueError):
+        native.moe(weights, types, [*counts[:-1], counts[-1] + 1], routes, x, w, INNER, HIDDEN)
+    with pytest.raises(ValueError):
+        native.moe(weights, types, counts, routes, x, w, INNER, HIDDEN, sum_rows=4)
+    assert native.moe(weights, types, counts, routes, x.double(), w, INNER, HIDDEN) is None
+    assert native.mlp_types(((QType.Q8_0, (INNER, HIDDEN), 0),) * 3) is None
+
+
 def test_arguments_it_does_not_take_are_refused():
     parts = _expert((QType.Q4_1,) * 3)
     assert native.expert_mlp(parts, torch.randn(2, HIDDEN + 32)) is None  # wrong width
