@@ -219,6 +219,8 @@ class Engine:
         group = self._schedule()
         if group:
             self._run(group)
+        elif self.policy.split and (part := self._split()):
+            self._run_split(part)
         elif block or self.running:
             self._drain(block=True, timeout=0.05 if self.running else 0.2)
         self._maybe_metrics()
@@ -408,6 +410,54 @@ class Engine:
             if subset:
                 riders.append((r, subset))
         return riders
+
+    def _split(self) -> list[tuple[Request, set[int]]]:
+        """With no job ready, the experts already in the cache of decoding jobs still
+        waiting for others: those at the lowest such layer, each with its ready experts
+        not yet applied. Computing them now, while the link loads the rest, leaves less
+        for the job to do once its last expert arrives (see ``Policy.split``)."""
+        best: list[tuple[Request, set[int]]] = []
+        for r in self.running:
+            if not r.claimed or r.n != 1 or (best and r.layer > best[0][0].layer):
+                continue
+            ready = {k[1] for k in r.claim if self.cache.is_ready(k)}
+            if not ready or len(ready) == len(r.claim):  # none, or a job that is ready
+                continue
+            if best and r.layer < best[0][0].layer:
+                best = []
+            best.append((r, ready))
+        if not best:
+            return best
+        # An expert that a request at this layer still needs but cannot apply now is left
+        # for later, to run once for all (as a group or riders): splitting it off here
+        # would compute it twice. One this split applies for all its requests stays.
+        layer = best[0][0].layer
+        needers: dict[int, int] = {}
+        for r in self.running:
+            if r.layer == layer:
+                for e in set(r.needed) - r.done:
+                    needers[e] = needers.get(e, 0) + 1
+        here: dict[int, int] = {}
+        for _, ready in best:
+            for e in ready:
+                here[e] = here.get(e, 0) + 1
+        best = [(r, {e for e in ready if here[e] == needers[e]}) for r, ready in best]
+        return [(r, ready) for r, ready in best if ready]
+
+    def _run_split(self, part: list[tuple[Request, set[int]]]) -> None:
+        """Apply ``part``'s ready experts to their requests (as riders of an empty group),
+        then release those experts' pins."""
+        t0 = time.perf_counter()
+        layer = part[0][0].layer
+        self.jobs.run([], part)  # none completes its layer: each still waits for one
+        for r, subset in part:  # each keeps its claim on the experts still loading
+            for k in r.claim:
+                if k[1] in subset:
+                    self.cache.unpin(k)
+            r.claim = [k for k in r.claim if k[1] not in subset]
+        self.telemetry.record_compute(
+            t0, time.perf_counter(), layer, tuple(r.id for r, _ in part), len(part)
+        )
 
     # --- run and postprocess ------------------------------------------------------------
 

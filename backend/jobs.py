@@ -138,7 +138,7 @@ class JobRunner:
         ``riders``: other requests at the same layer, each with some of its experts that
         the group computes anyway; their rows join those experts' products, so each
         expert's bytes are read once for all of them (see ``Policy.ride``)."""
-        t, layer = self.t, group[0].layer
+        t, layer = self.t, (group[0] if group else riders[0][0]).layer
         if t.config.sparse_layers[layer]:
             done = self._moe(layer, group, riders)
             outs = []

@@ -5,14 +5,16 @@ Pure Python over ``Request`` state, so every policy is tested without torch work
 - ``bevy``: compute all ready jobs at the lowest ready layer (opportunistic layerwise
   grouping); claim/fetch for the blocked job with the lowest layer first, ties broken by
   fewest missing experts (SRTF). Requests at that layer still waiting for other experts
-  ride along on the experts they share with the group (``ride``).
+  ride along on the experts they share with the group (``ride``). When no job is ready,
+  waiting decoding jobs apply the experts they already have (``split``).
 - ``sync``: llama.cpp-like: all running requests advance as one batch, layer by layer;
   experts are fetched on demand and compute waits for them.
 - ``prefetch-gate`` / ``prefetch-history``: ``sync`` plus prefetching of predicted
   next-layer experts on the otherwise idle link.
 - Ablations: ``bevy-static:K`` (fixed groups of K requests advance together),
   ``bevy-fifo`` (compute the longest-ready job's layer first), ``bevy-srtf`` (fetch by
-  fewest missing experts globally, ignoring layers), ``bevy+prefetch-gate``.
+  fewest missing experts globally, ignoring layers), ``bevy+prefetch-gate``,
+  ``bevy-nosplit`` (a waiting job never applies its cached experts early; see ``split``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Policy:
     # Requests at the group's layer that wait for other experts ride along on the ones
     # the group runs (their rows join the same products; see ``Engine._riders``).
     ride: bool = True
+    # With no job ready, decoding jobs still waiting for some experts apply the ones
+    # already in the cache (see ``Engine._split``): the compute lane works while the
+    # link loads the rest, and the job has less left to do when they arrive.
+    split: bool = True
 
     def claim_order(
         self, blocked: Sequence[Request], missing: Missing, low_layer: int = 0
@@ -116,6 +122,7 @@ POLICIES = (
     "bevy-fifo",
     "bevy-srtf",
     "bevy+prefetch-gate",
+    "bevy-nosplit",
 )
 
 # One line each, for the app's compare view and `bevy bench --help`-style listings.
@@ -128,6 +135,7 @@ POLICY_NOTES = {
     "bevy-fifo": "Ablation: runahead computing jobs in arrival order instead of lowest layer first.",
     "bevy-srtf": "Ablation: runahead fetching for the job with the fewest missing experts first, globally.",
     "bevy+prefetch-gate": "Runahead plus gate prefetching on the idle link.",
+    "bevy-nosplit": "Ablation: runahead where a waiting job never applies its cached experts early.",
 }
 
 
@@ -135,15 +143,17 @@ def make_policy(name: str) -> Policy:
     if name == "bevy":
         return Policy(name)
     if name == "sync":
-        return Policy(name, lockstep=True, ride=False)
+        return Policy(name, lockstep=True, ride=False, split=False)
     if name in ("prefetch-gate", "prefetch-history"):
-        return Policy(name, lockstep=True, prefetch=name.split("-")[1], ride=False)
+        return Policy(name, lockstep=True, prefetch=name.split("-")[1], ride=False, split=False)
     if name == "bevy-fifo":
         return Policy(name, compute_order="fifo")
     if name == "bevy-srtf":
         return Policy(name, fetch_order="srtf")
     if name == "bevy+prefetch-gate":
         return Policy(name, prefetch="gate")
+    if name == "bevy-nosplit":
+        return Policy(name, split=False)
     if name.startswith("bevy-static:"):
         try:
             k = int(name.split(":", 1)[1])
@@ -153,5 +163,5 @@ def make_policy(name: str) -> Policy:
             raise ValueError(
                 f"bevy-static needs a positive group size, e.g. bevy-static:4 (got {name!r})"
             )
-        return Policy(name, group_size=k, ride=False)
+        return Policy(name, group_size=k, ride=False, split=False)
     raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")

@@ -277,7 +277,8 @@ def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, mod
             assert sum(eng.cache.refs) == 0
         finally:
             eng.close()
-        riders = sum(len(args[2]) for args, _ in runs if len(args) > 2)
+        # riders of a group (a split run is riders alone: ``Engine._split``)
+        riders = sum(len(args[2]) for args, _ in runs if len(args) > 2 and args[1])
         results[ride] = (finished, eng.logits_log, riders, len(mlps))
     (fin, logs, riders, products), (fin0, logs0, riders0, products0) = results[True], results[False]
     assert riders > 0 and riders0 == 0
@@ -352,4 +353,32 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
         assert list(fin[rid].token_ids) == tokens == list(fin0[rid].token_ids), rid
         ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
         assert (ours - logits).abs().max().item() <= 1e-4, rid
+        assert (ours - theirs).abs().max().item() <= 1e-5, rid
+
+
+@pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "mixtral-q4-gguf"])
+def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
+    """With no job ready, waiting decoding jobs apply their experts already in the cache
+    (``Engine._split``): such runs happen, and tokens and logits are those of whole jobs
+    (each request still sums its experts in expert order)."""
+    from tests.backend.spy import spy
+
+    results = {}
+    for split in (True, False):
+        monkeypatch.undo()
+        splits = spy(monkeypatch, Engine, "_run_split")
+        config = EngineConfig(policy="bevy", cache="0.3", storage="ssd")
+        eng = Engine(models[model_name], config)
+        eng.policy = dataclasses.replace(eng.policy, split=split)
+        try:
+            finished = run_staggered(eng)
+            assert sum(eng.cache.refs) == 0
+        finally:
+            eng.close()
+        results[split] = (finished, eng.logits_log, splits)
+    (fin, logs, splits), (fin0, logs0, splits0) = results[True], results[False]
+    assert splits and not splits0
+    for rid, f in fin.items():
+        assert f.token_ids == fin0[rid].token_ids
+        ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
         assert (ours - theirs).abs().max().item() <= 1e-5, rid

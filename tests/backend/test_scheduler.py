@@ -70,6 +70,12 @@ def test_policy_names() -> None:
         make_policy("bevy+prefetch-gate").prefetch == "gate"
         and not make_policy("bevy+prefetch-gate").lockstep
     )
+    # Only runahead policies split a waiting job: lockstep batches and static groups
+    # compute each layer's experts once for the whole batch.
+    split = {n: make_policy(n.replace(":K", ":4")).split for n in POLICIES}
+    assert split == {
+        n: n.startswith("bevy") and n not in ("bevy-static:K", "bevy-nosplit") for n in POLICIES
+    }
     for bad in ("fastest", "bevy-static:0", "bevy-static:x"):
         with pytest.raises(ValueError, match="policy|group size"):
             make_policy(bad)
