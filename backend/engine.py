@@ -213,7 +213,8 @@ class Engine:
             raise
 
     def step(self, block: bool = False) -> bool:
-        """One iteration: schedule -> run -> postprocess. Returns whether compute ran."""
+        """One iteration: schedule -> run -> postprocess. Returns whether a job ran (a
+        split run, ``_split``, does not count: no request moved on)."""
         self._drain(block=False)
         self._admit()
         group = self._schedule()
@@ -450,6 +451,8 @@ class Engine:
         t0 = time.perf_counter()
         layer = part[0][0].layer
         self.jobs.run([], part)  # none completes its layer: each still waits for one
+        if self.slots.device.type == "cuda":  # as in ``_run``: before the link may reuse them
+            torch.cuda.current_stream(self.slots.device).synchronize()
         for r, subset in part:  # each keeps its claim on the experts still loading
             for k in r.claim:
                 if k[1] in subset:

@@ -52,7 +52,10 @@ class JobRunner:
         # whether whole MoE layers may go to them at all (stored slots in CPU memory).
         self._kinds: dict[tuple[int, int], tuple[tuple, int | None]] = {}
         self._native_moe = (
-            not slots.is_floating_point() and slots.device.type == "cpu" and slots.dim() == 2
+            slots.dtype == torch.uint8
+            and slots.device.type == "cpu"
+            and slots.dim() == 2
+            and slots.is_contiguous()
         )
         self.on_route: Callable[[Request], None] = lambda r: None
 
@@ -294,6 +297,7 @@ class JobRunner:
                     i += 1
         base, stride = self.slots.data_ptr(), self.slots.stride(0)
         width = self.slots.shape[1]
+        inner, hidden = self.experts[layer][0].gate.shape
         weights: list[int] = []
         types: list[int] = []
         counts: list[int] = []
@@ -308,6 +312,8 @@ class JobRunner:
                 bits = native.mlp_types(tuple((p.qtype, p.shape, p.nbytes) for p in parts))
                 if any(o < 0 or o + p.nbytes > width for o, p in zip(at, parts, strict=True)):
                     bits = None
+                if tuple(parts[0].shape) != (inner, hidden):  # the shape the call passes
+                    bits = None
                 kind = self._kinds[key] = (at, bits)
             if kind[1] is None or len(rs) > qmatmul.MAX_ROWS:
                 return None
@@ -317,7 +323,6 @@ class JobRunner:
             counts.append(len(rs))
             routes += rs
         whole_rows = sum(r.n for r in members[:n_whole])
-        inner, hidden = self.experts[layer][0].gate.shape
         done = native.moe(weights, types, counts, routes, x, w, inner, hidden, whole_rows)
         if done is None:
             return None
@@ -327,7 +332,8 @@ class JobRunner:
             for e, n in zip(sorted(by_expert), counts, strict=True):
                 for i in routes[j : j + n]:
                     if i // k >= whole_rows:
-                        members[n_whole + i // k - whole_rows].parts[e] = parts[j : j + 1]
+                        # a copy: a view would keep all of ``parts`` alive with it
+                        members[n_whole + i // k - whole_rows].parts[e] = parts[j : j + 1].clone()
                     j += 1
         return y
 

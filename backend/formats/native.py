@@ -290,8 +290,9 @@ def moe(
 
     - y [sum_rows, hidden]: for the first ``sum_rows`` rows (default all), the sum of their
       routes' route_w * expert(x), added in the order given;
-    - parts [len(routes), hidden]: route_w * expert(x) of each route of the other rows, in
-      the order given (other routes' entries are not written).
+    - parts [len(routes), hidden] if some rows are past ``sum_rows``, else [0, hidden]:
+      route_w * expert(x) of each route of those rows, at the route's place in
+      ``routes`` (the entries of the other routes are not written).
 
     Every value is the same bits as running each expert alone on its rows
     (``expert_mlp``), scaling by the weight and adding in this order."""

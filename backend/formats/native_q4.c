@@ -26,7 +26,6 @@
 
 #define ROWS 8 /* rows of x reduced together, each weight block widened once for them */
 
-
 static inline float f16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);

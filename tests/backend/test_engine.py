@@ -344,7 +344,7 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
             eng.close()
         results[on] = (finished, eng.logits_log, calls)
     (fin, logs, calls), (fin0, logs0, calls0) = results[True], results[False]
-    assert calls and not calls0
+    assert any(out is not None for _, out in calls) and not calls0
     if policy == "bevy" and cache == "0.3":
         # some runs carried riders: their products came back one by one
         assert any(args[8] < args[4].shape[0] for args, _ in calls)
