@@ -287,13 +287,14 @@ class JobRunner:
             members[0].route_ids if len(members) == 1 else torch.cat([r.route_ids for r in members])
         )
         k = ids.shape[1]
+        rows = iter(ids.tolist())
         by_expert: dict[int, list[int]] = {}
-        i = 0
+        i = 0  # route i is row i // k: rows ascending
         for m, (r, s) in enumerate(zip(members, subsets, strict=True)):
-            for row_ids in ids[i // k : i // k + r.n].tolist():
-                for e in row_ids:
+            for _ in range(r.n):
+                for e in next(rows):
                     if m < n_whole or e in s:
-                        by_expert.setdefault(e, []).append(i)  # rows ascending
+                        by_expert.setdefault(e, []).append(i)
                     i += 1
         base, stride = self.slots.data_ptr(), self.slots.stride(0)
         width = self.slots.shape[1]

@@ -216,21 +216,18 @@ def expert_mlp(parts: tuple, x: torch.Tensor):
     lib = library()
     if lib is None:
         return None
-    (g, gq, (inner, hidden)), (u, uq, us), (d, dq, ds) = parts
-    if not (
-        us == (inner, hidden)
-        and ds == (hidden, inner)
-        and _weight_ok(g, gq, inner, hidden)
-        and _weight_ok(u, uq, inner, hidden)
-        and _weight_ok(d, dq, hidden, inner)
+    types = mlp_types(tuple((q, shape, raw.numel()) for raw, q, shape in parts))
+    if types is None or not all(
+        raw.dtype == torch.uint8 and raw.device.type == "cpu" and raw.is_contiguous()
+        for raw, _, _ in parts
     ):
         return None
+    (g, _, (inner, hidden)), (u, _, _), (d, _, _) = parts
     x = x.contiguous()
     if not _rows_ok(x, hidden):
         return None
     out = torch.empty(x.shape[0], hidden, dtype=torch.float32)
     if x.shape[0]:
-        types = (gq == QType.Q4_1) | (uq == QType.Q4_1) << 1 | (dq == QType.Q4_1) << 2
         rc = lib.bevy_q4_expert_mlp(
             g.data_ptr(),
             u.data_ptr(),

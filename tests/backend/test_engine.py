@@ -81,6 +81,30 @@ def run_staggered(eng: Engine) -> dict[str, Finished]:
     return {e.request_id: e for e in drain(eng) if isinstance(e, Finished)}
 
 
+def run_clean(model: LoadedModel, config: EngineConfig, **policy) -> tuple[dict, dict]:
+    """``run_staggered`` on a fresh engine (its policy's fields replaced by ``policy``),
+    which must end with no pins held. Returns (finished, logits_log)."""
+    eng = Engine(model, config)
+    if policy:
+        eng.policy = dataclasses.replace(eng.policy, **policy)
+    try:
+        finished = run_staggered(eng)
+        assert sum(eng.cache.refs) == 0
+    finally:
+        eng.close()
+    return finished, eng.logits_log
+
+
+def assert_same_results(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    """Two ``run_clean`` results: the same tokens, logits within 1e-5 (groups form by
+    fetch timing, and the tiny models' dense BLAS path rounds by batch shape)."""
+    (fin, logs), (fin0, logs0) = a, b
+    for rid, f in fin.items():
+        assert f.token_ids == fin0[rid].token_ids, rid
+        ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
+        assert (ours - theirs).abs().max().item() <= 1e-5, rid
+
+
 @pytest.mark.parametrize("slot_format", ["stored", "decoded"])
 @pytest.mark.parametrize("storage", ["ssd", "host"])
 @pytest.mark.parametrize("cache", ["min", "0.3", "1.0"])
@@ -270,23 +294,14 @@ def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, mod
         runs = spy(monkeypatch, JobRunner, "run")
         mlps = spy(monkeypatch, JobRunner, "mlp")
         config = EngineConfig(policy="bevy", cache="0.3", storage="ssd")
-        eng = Engine(models[model_name], config)
-        eng.policy = dataclasses.replace(eng.policy, ride=ride)
-        try:
-            finished = run_staggered(eng)
-            assert sum(eng.cache.refs) == 0
-        finally:
-            eng.close()
+        out = run_clean(models[model_name], config, ride=ride)
         # riders of a group (a split run is riders alone: ``Engine._split``)
         riders = sum(len(args[2]) for args, _ in runs if len(args) > 2 and args[1])
-        results[ride] = (finished, eng.logits_log, riders, len(mlps))
-    (fin, logs, riders, products), (fin0, logs0, riders0, products0) = results[True], results[False]
+        results[ride] = (out, riders, len(mlps))
+    (out, riders, products), (out0, riders0, products0) = results[True], results[False]
     assert riders > 0 and riders0 == 0
     assert products < products0
-    for rid, f in fin.items():
-        assert f.token_ids == fin0[rid].token_ids
-        ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
-        assert (ours - theirs).abs().max().item() <= 1e-5, rid
+    assert_same_results(out, out0)
 
 
 @pytest.mark.parametrize("cache", ["2", "0.3", "1.0"])
@@ -297,21 +312,13 @@ def test_expert_batches_change_no_result(models, monkeypatch, cache) -> None:
     timing, and the tiny model's dense BLAS path rounds by batch shape)."""
     from backend import jobs
 
-    results = {}
+    results = []
     for per_batch in (jobs.ROUTES_PER_BATCH, 3):
         monkeypatch.setattr(jobs, "ROUTES_PER_BATCH", per_batch)
-        eng = Engine(models["mixtral-q8-gguf"], EngineConfig(policy="bevy", cache=cache))
-        try:
-            finished = run_staggered(eng)
-            assert sum(eng.cache.refs) == 0
-        finally:
-            eng.close()
-        results[per_batch] = (finished, eng.logits_log)
-    (fin, logs), (fin3, logs3) = results.values()
-    for rid, f in fin.items():
-        assert f.token_ids == fin3[rid].token_ids
-        ours, theirs = torch.stack(logs[rid]), torch.stack(logs3[rid])
-        assert (ours - theirs).abs().max().item() <= 1e-5, rid
+        results.append(
+            run_clean(models["mixtral-q8-gguf"], EngineConfig(policy="bevy", cache=cache))
+        )
+    assert_same_results(*results)
 
 
 @pytest.mark.parametrize("cache", ["min", "0.3", "1.0"])
@@ -336,24 +343,19 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
         calls = spy(monkeypatch, native, "moe")
         if not on:
             monkeypatch.setattr(JobRunner, "_moe_native", lambda *args: None)
-        eng = Engine(model, EngineConfig(policy=policy, cache=size, storage="ssd"))
-        try:
-            finished = run_staggered(eng)
-            assert sum(eng.cache.refs) == 0
-        finally:
-            eng.close()
-        results[on] = (finished, eng.logits_log, calls)
-    (fin, logs, calls), (fin0, logs0, calls0) = results[True], results[False]
-    assert any(out is not None for _, out in calls) and not calls0
+        config = EngineConfig(policy=policy, cache=size, storage="ssd")
+        results[on] = (run_clean(model, config), calls)
+    (out, calls), (out0, calls0) = results[True], results[False]
+    assert any(result is not None for _, result in calls) and not calls0
     if policy == "bevy" and cache == "0.3":
         # some runs carried riders: their products came back one by one
         assert any(args[8] < args[4].shape[0] for args, _ in calls)
+    fin, logs = out
     for i, (tokens, logits) in enumerate(references["mixtral-q4-gguf"]):
         rid = f"r{i}"
-        assert list(fin[rid].token_ids) == tokens == list(fin0[rid].token_ids), rid
-        ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
-        assert (ours - logits).abs().max().item() <= 1e-4, rid
-        assert (ours - theirs).abs().max().item() <= 1e-5, rid
+        assert list(fin[rid].token_ids) == tokens, rid
+        assert (torch.stack(logs[rid]) - logits).abs().max().item() <= 1e-4, rid
+    assert_same_results(out, out0)
 
 
 @pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "mixtral-q4-gguf"])
@@ -368,17 +370,7 @@ def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
         monkeypatch.undo()
         splits = spy(monkeypatch, Engine, "_run_split")
         config = EngineConfig(policy="bevy", cache="0.3", storage="ssd")
-        eng = Engine(models[model_name], config)
-        eng.policy = dataclasses.replace(eng.policy, split=split)
-        try:
-            finished = run_staggered(eng)
-            assert sum(eng.cache.refs) == 0
-        finally:
-            eng.close()
-        results[split] = (finished, eng.logits_log, splits)
-    (fin, logs, splits), (fin0, logs0, splits0) = results[True], results[False]
+        results[split] = (run_clean(models[model_name], config, split=split), splits)
+    (out, splits), (out0, splits0) = results[True], results[False]
     assert splits and not splits0
-    for rid, f in fin.items():
-        assert f.token_ids == fin0[rid].token_ids
-        ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
-        assert (ours - theirs).abs().max().item() <= 1e-5, rid
+    assert_same_results(out, out0)
