@@ -8,7 +8,10 @@ each block once for all rows too, but the kernel below does it with fewer instru
 Python between its steps. On this project's 2-core test machine (demo MoE, Q4_1,
 [1536, 576] experts, 64 experts in turn so their bytes are not in cache), one expert
 took 133-156 us for one row against 221 us by the Inductor graphs; 2 rows 164-200
-against 266 us, 8 rows ~470 against ~550 us.
+against 266 us, 8 rows ~470 against ~550 us. The kernel is compiled once per row count
+(1-8) with every accumulator in a register: on a slower machine of the same kind, that
+took one row from 0.36 to 0.29 ms and 8 rows from 0.76 to 0.67 ms, the same bits
+(``benchmarks/q4_kernels.py --against`` the older source, 2 threads).
 
 It needs a C compiler with OpenMP (``cc``, or ``$CC``) and an x86-64 CPU with AVX2, FMA and
 F16C; elsewhere, or if the build fails, ``available()`` is False and callers keep
@@ -20,7 +23,9 @@ as torch's intra-op setting of the calling thread.
 
 ``moe`` runs all of a job's experts in one call (the engine's ``JobRunner._moe_native``):
 the Python and torch ops per expert it saves were ~3-8 % of decoding throughput at chat
-8 requests, 70 % cache (A/B in one process, both bevy and sync).
+8 requests, 70 % cache (A/B in one process, both bevy and sync). With at least two
+experts per thread, the threads take whole experts in turn (one parallel region per call
+instead of three barriers per expert), and the products are added in order after.
 
 Results agree with dequantize-then-matmul to float32 rounding (~1e-6 relative), like
 the graphs; each row is reduced on its own, so a row's result is the same alone and in

@@ -88,42 +88,68 @@ static inline float acc_sum(acc_t a) {
     }
 #endif
 
-/* y[r, n] for r < m (m <= ROWS) and n0 <= n < n1; y has row stride ldy. */
-static void q4_cols(const uint8_t *w, int q4_1, const float *x, const float *xsum, int m, int k,
-                    float *y, int ldy, int n0, int n1) {
+/* y[r, n] for r < m and n0 <= n < n1 (y has row stride ldy), R weight rows at a time.
+   Inlined with m, R and the block type as constants, so that the compiler unrolls the row
+   loops and keeps every accumulator in a register (m * R of them). Each output's
+   operations are the same whatever m, R and n0 are (the same BLOCK, the same order), so
+   its bits do not depend on its batch-mates or on how the columns are shared out. */
+static inline __attribute__((always_inline)) void cols(const uint8_t *w, const int q4_1,
+                                                       const float *x, const float *xsum,
+                                                       const int m, const int R, int k,
+                                                       float *y, int ldy, int n0, int n1) {
     const int nb = k / 32, bs = q4_1 ? 20 : 18;
     const __m128i low = _mm_set1_epi8(0x0F), off = _mm_set1_epi8(q4_1 ? 0 : 8);
     int n = n0;
-    /* Two weight rows at a time give two independent chains; each output's operations
-       (so its rounding) are the same as when it is computed alone. */
-    for (; n + 1 < n1; n += 2) {
-        const uint8_t *wa = w + (size_t)n * nb * bs, *wb = wa + (size_t)nb * bs;
-        acc_t aa[ROWS], ab[ROWS];
-        float ta[ROWS], tb[ROWS];
-        for (int r = 0; r < m; r++) {
-            aa[r] = ab[r] = acc_zero();
-            ta[r] = tb[r] = 0.f;
-        }
-        for (int b = 0; b < nb; b++) {
-            BLOCK(wa, aa, ta)
-            BLOCK(wb, ab, tb)
-        }
-        for (int r = 0; r < m; r++) {
-            y[(size_t)r * ldy + n] = acc_sum(aa[r]) + ta[r];
-            y[(size_t)r * ldy + n + 1] = acc_sum(ab[r]) + tb[r];
-        }
+    for (; n + R <= n1; n += R) {
+        acc_t acc[8][ROWS];
+        float tail[8][ROWS];
+        for (int i = 0; i < R; i++)
+            for (int r = 0; r < m; r++) {
+                acc[i][r] = acc_zero();
+                tail[i][r] = 0.f;
+            }
+        const uint8_t *w0 = w + (size_t)n * nb * bs;
+        for (int b = 0; b < nb; b++)
+            for (int i = 0; i < R; i++) BLOCK(w0 + (size_t)i * nb * bs, acc[i], tail[i])
+        for (int i = 0; i < R; i++)
+            for (int r = 0; r < m; r++) y[(size_t)r * ldy + n + i] = acc_sum(acc[i][r]) + tail[i][r];
     }
     for (; n < n1; n++) {
-        const uint8_t *wa = w + (size_t)n * nb * bs;
-        acc_t aa[ROWS];
-        float ta[ROWS];
+        acc_t acc[ROWS];
+        float tail[ROWS];
         for (int r = 0; r < m; r++) {
-            aa[r] = acc_zero();
-            ta[r] = 0.f;
+            acc[r] = acc_zero();
+            tail[r] = 0.f;
         }
-        for (int b = 0; b < nb; b++) BLOCK(wa, aa, ta)
-        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(aa[r]) + ta[r];
+        const uint8_t *w0 = w + (size_t)n * nb * bs;
+        for (int b = 0; b < nb; b++) BLOCK(w0, acc, tail)
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(acc[r]) + tail[r];
     }
+}
+
+/* R by rows of x: m * R <= 16 accumulators, R dividing the 32-column chunks; the fastest
+   measured (benchmarks/q4_kernels.py): 20-26 % less time than two weight rows at a time
+   with runtime m, at every m, on AVX-512. */
+#define COLS(Q, M, R) cols(w, Q, x, xsum, M, R, k, y, ldy, n0, n1)
+#define BY_ROWS(Q)                                                                           \
+    switch (m) {                                                                             \
+    case 1: COLS(Q, 1, 8); break;                                                            \
+    case 2: COLS(Q, 2, 4); break;                                                            \
+    case 3: COLS(Q, 3, 4); break;                                                            \
+    case 4: COLS(Q, 4, 4); break;                                                            \
+    case 5: COLS(Q, 5, 2); break;                                                            \
+    case 6: COLS(Q, 6, 2); break;                                                            \
+    case 7: COLS(Q, 7, 2); break;                                                            \
+    default: COLS(Q, 8, 2); break;                                                           \
+    }
+
+/* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. */
+static void q4_cols(const uint8_t *w, int q4_1, const float *x, const float *xsum, int m, int k,
+                    float *y, int ldy, int n0, int n1) {
+    if (q4_1)
+        BY_ROWS(1)
+    else
+        BY_ROWS(0)
 }
 
 /* xsum[r, b] = sum of block b of row r (four vectors of 8 added pairwise, then across). */
@@ -206,6 +232,24 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
     return 0;
 }
 
+/* route_w[i] * o (rounded to float, as torch's product is) added to y's row i / k if it is
+   below sum_rows, else written to parts[j]: one route's product, in the caller's order. */
+static void moe_route(int j, int i, int k, const float *route_w, const float *o, float *y,
+                      float *parts, int sum_rows, int hidden) {
+    const float w = route_w[i];
+    const int row = i / k;
+    if (row < sum_rows) {
+        float *yr = y + (size_t)row * hidden;
+        for (int c = 0; c < hidden; c++) {
+            const float p = w * o[c];
+            yr[c] += p;
+        }
+    } else {
+        float *pr = parts + (size_t)j * hidden;
+        for (int c = 0; c < hidden; c++) pr[c] = w * o[c];
+    }
+}
+
 /* A whole MoE layer for a batch of rows, in one call (no Python between experts).
    For each expert e < n_experts in turn, and each of its counts[e] routes in turn (taken
    from `routes`, consecutively over the experts, route j overall): i = routes[j] is the
@@ -215,12 +259,50 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
    hidden]). The products and sums are those of running each expert alone, scaling its
    outputs, then adding them in this order (as the engine's index_add_ path does): the
    same bits. weights: gate, up, down addresses of each expert (3 per expert); types as
-   above, one per expert. On `threads` threads; 0 on success, -1 if out of memory. */
+   above, one per expert. On `threads` threads; 0 on success, -1 if out of memory.
+
+   With at least two experts per thread, the threads take whole experts, one at a time as
+   each finishes (one parallel region for the call; a thread that the OS or the link
+   thread holds up takes fewer experts instead of stalling the others at every barrier);
+   the products are then added in order. With fewer, each expert's columns are shared. */
 int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, int n_experts,
                 const int *routes, const float *route_w, int k, const float *x, float *y,
                 float *parts, int sum_rows, int inner, int hidden, int threads) {
-    int most = 0;
-    for (int e = 0; e < n_experts; e++) most = counts[e] > most ? counts[e] : most;
+    int most = 0, n_routes = 0;
+    for (int e = 0; e < n_experts; e++) {
+        most = counts[e] > most ? counts[e] : most;
+        n_routes += counts[e];
+    }
+    if (threads > 1 && n_experts >= 2 * threads) {
+        float *xg = malloc(sizeof(float) * (size_t)n_routes * hidden * 2 + 1);
+        int *first = malloc(sizeof(int) * (size_t)n_experts + 1);
+        if (!xg || !first) {
+            free(xg);
+            free(first);
+            return -1;
+        }
+        float *og = xg + (size_t)n_routes * hidden;
+        for (int e = 0, j0 = 0; e < n_experts; j0 += counts[e], e++) first[e] = j0;
+        for (int j = 0; j < n_routes; j++)
+            memcpy(xg + (size_t)j * hidden, x + (size_t)(routes[j] / k) * hidden,
+                   sizeof(float) * hidden);
+        int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
+        for (int e = 0; e < n_experts; e++) {
+            const size_t at = (size_t)first[e] * hidden;
+            failed |= bevy_q4_expert_mlp(
+                (const uint8_t *)weights[3 * e], (const uint8_t *)weights[3 * e + 1],
+                (const uint8_t *)weights[3 * e + 2], types[e], xg + at, og + at, counts[e],
+                inner, hidden, 1);
+        }
+        if (!failed)
+            for (int j = 0; j < n_routes; j++)
+                moe_route(j, routes[j], k, route_w, og + (size_t)j * hidden, y, parts, sum_rows,
+                          hidden);
+        free(xg);
+        free(first);
+        return failed ? -1 : 0;
+    }
     float *xg = malloc(sizeof(float) * (size_t)most * hidden * 2 + 1);
     if (!xg) return -1;
     float *og = xg + (size_t)most * hidden;
@@ -235,21 +317,8 @@ int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, in
             free(xg);
             return -1;
         }
-        for (int j = 0; j < c; j++) {
-            const float w = route_w[r[j]];
-            const int row = r[j] / k;
-            const float *o = og + (size_t)j * hidden;
-            if (row < sum_rows) {
-                float *yr = y + (size_t)row * hidden;
-                for (int i = 0; i < hidden; i++) {
-                    const float p = w * o[i]; /* rounded to float, as torch's product is */
-                    yr[i] += p;
-                }
-            } else {
-                float *pr = parts + (size_t)(j0 + j) * hidden;
-                for (int i = 0; i < hidden; i++) pr[i] = w * o[i];
-            }
-        }
+        for (int j = 0; j < c; j++)
+            moe_route(j0 + j, r[j], k, route_w, og + (size_t)j * hidden, y, parts, sum_rows, hidden);
     }
     free(xg);
     return 0;

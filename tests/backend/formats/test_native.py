@@ -29,7 +29,8 @@ def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
-@pytest.mark.parametrize("rows", [1, 2, 9, 17])  # more rows than one pass of 8 takes
+# 1-8 rows each take their own compiled case; 9 and 17 take more than one pass of 8
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 9, 17])
 def test_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: QType, rows: int):
     monkeypatch.setattr(native, "_lib", lib)
     n = 291  # odd: the last column is computed alone, the others in pairs
@@ -42,7 +43,7 @@ def test_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: QType, ro
         assert torch.equal(native.linear(raw, qtype, (n, HIDDEN), x[lo:hi]), got[lo:hi])
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12])
 def test_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
     monkeypatch.setattr(native, "_lib", lib)
     parts = _expert((QType.Q4_0, QType.Q4_1, QType.Q4_0), seed=rows)
@@ -146,15 +147,26 @@ def _moe_case(seed: int, rows: int, k: int):
     return experts, ids, w, x, order, (weights, types, counts, routes)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("sum_rows", [11, 7, 0])
-def test_moe_is_each_expert_alone_scaled_and_added_in_order(lib, monkeypatch, sum_rows: int):
+def test_moe_is_each_expert_alone_scaled_and_added_in_order(
+    lib, monkeypatch, sum_rows: int, threads: int
+):
     """``moe`` gives the same bits as the per-expert path it replaces: each expert on its
     rows (``expert_mlp``), times the route weight, index_add_ in expert order; the rows
-    past ``sum_rows`` get each route's product on its own instead."""
+    past ``sum_rows`` get each route's product on its own instead. On 2 threads the six
+    experts are shared out whole among the threads; on 1 and 4 (fewer than two experts
+    per thread) each expert's columns are."""
     monkeypatch.setattr(native, "_lib", lib)
     rows, k = 11, 3
     experts, ids, w, x, order, args = _moe_case(sum_rows, rows, k)
-    y, parts = native.moe(*args, x, w, INNER, HIDDEN, sum_rows)
+    assert len(order) == 6
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y, parts = native.moe(*args, x, w, INNER, HIDDEN, sum_rows)
+    finally:
+        torch.set_num_threads(before)
     want = torch.zeros(rows, HIDDEN)
     products = []
     for e in order:

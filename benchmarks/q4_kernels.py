@@ -1,0 +1,105 @@
+"""Time the native Q4 expert kernel (``backend/formats/native_q4.c``) per row count.
+
+    python benchmarks/q4_kernels.py                        # this tree's kernel
+    python benchmarks/q4_kernels.py --against OLD.c        # paired A/B against another source
+    git show HEAD~1:backend/formats/native_q4.c > /tmp/old.c && python benchmarks/q4_kernels.py --against /tmp/old.c
+
+Experts of the demo's shape ([1536, 576] gate and up, [576, 1536] down; Q4_1, every
+fourth Q4_0), 64 of them taken in turn so that their bytes are not all in the CPU cache,
+as in decoding. With ``--against``, both builds run interleaved in one process (the
+order alternating between rounds, so that drift of the machine cancels), the medians are
+compared, and every output of the two is checked to be the same bits unless
+``--allow-different-bits``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from backend.formats import native  # noqa: E402
+from backend.formats.quants import QType  # noqa: E402
+
+HIDDEN, INNER, EXPERTS = 576, 1536, 64
+
+
+def _raw(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random Q4 blocks with small f16 scales (a quantized layer's bytes)."""
+    size = 20 if qtype == QType.Q4_1 else 18
+    n_scales = 2 if qtype == QType.Q4_1 else 1
+    n = rows * cols // 32
+    raw = torch.randint(0, 256, (n, size), dtype=torch.uint8, generator=gen)
+    scales = (torch.randn((n, n_scales), generator=gen) * 0.05).half()
+    raw[:, : 2 * n_scales] = scales.view(torch.uint8).view(n, 2 * n_scales)
+    return raw.reshape(-1)
+
+
+def experts(n: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for e in range(n):
+        q = QType.Q4_0 if e % 4 == 0 else QType.Q4_1
+        shapes = ((INNER, HIDDEN), (INNER, HIDDEN), (HIDDEN, INNER))
+        out.append(tuple((_raw(q, *s, gen), q, s) for s in shapes))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", type=Path, help="another native_q4.c to compare with")
+    ap.add_argument("--rows", default="1,2,3,4,8")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--allow-different-bits", action="store_true")
+    args = ap.parse_args()
+    builds = {"this tree": native.build()}
+    if args.against:
+        here = native.SOURCE
+        native.SOURCE = args.against
+        try:
+            builds["against"] = native.build(Path(tempfile.mkdtemp(prefix="bevy-q4-")))
+        finally:
+            native.SOURCE = here
+    torch.set_num_threads(args.threads)
+    parts = experts(EXPERTS)
+    rows = [int(r) for r in args.rows.split(",")]
+    times: dict[tuple[int, str], list[float]] = {}
+    for rnd in range(args.rounds):
+        for m in rows:
+            x = torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(m))
+            outs = {}
+            for name in builds if rnd % 2 == 0 else reversed(builds):
+                native._lib = builds[name]
+                t = time.perf_counter()
+                outs[name] = [native.expert_mlp(p, x) for p in parts]
+                times.setdefault((m, name), []).append((time.perf_counter() - t) / len(parts))
+            if len(outs) == 2 and not args.allow_different_bits:
+                a, b = outs.values()
+                if not all(torch.equal(u, v) for u, v in zip(a, b, strict=True)):
+                    print(f"{m} rows: the two builds give different bits", file=sys.stderr)
+                    return 1
+    print(
+        f"one expert [{INNER}, {HIDDEN}] per call, {args.threads} threads, median of {args.rounds}"
+    )
+    for m in rows:
+        line = f"{m} rows: " + "  ".join(
+            f"{name} {1e3 * statistics.median(times[(m, name)]):.3f} ms" for name in builds
+        )
+        if len(builds) == 2:
+            mine, other = (statistics.median(times[(m, n)]) for n in builds)
+            line += f"  (this tree / against: {mine / other:.3f})"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
