@@ -3,6 +3,10 @@
     python benchmarks/q4_kernels.py                        # this tree's kernel
     python benchmarks/q4_kernels.py --against OLD.c        # paired A/B against another source
     git show HEAD~1:backend/formats/native_q4.c > /tmp/old.c && python benchmarks/q4_kernels.py --against /tmp/old.c
+    python benchmarks/q4_kernels.py --against OLD.c --decode --requests 8 --cache 0.7
+
+``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
+``--storage ssd``), each policy with each build in turn, and prints decode tokens/s.
 
 Experts of the demo's shape ([1536, 576] gate and up, [576, 1536] down; Q4_1, every
 fourth Q4_0), 64 of them taken in turn so that their bytes are not all in the CPU cache,
@@ -60,6 +64,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--allow-different-bits", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="time decoding runs (see above)")
+    ap.add_argument("--policies", default="bevy,sync")
+    ap.add_argument("--workload", default="chat")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--cache", type=float, default=0.7)
+    ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
     builds = {"this tree": native.build()}
     if args.against:
@@ -70,6 +80,8 @@ def main() -> int:
         finally:
             native.SOURCE = here
     torch.set_num_threads(args.threads)
+    if args.decode:
+        return decode(builds, args)
     parts = experts(EXPERTS)
     rows = [int(r) for r in args.rows.split(",")]
     times: dict[tuple[int, str], list[float]] = {}
@@ -78,7 +90,7 @@ def main() -> int:
             x = torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(m))
             outs = {}
             for name in builds if rnd % 2 == 0 else reversed(builds):
-                native._lib = builds[name]
+                native._lib, native._tried = builds[name], True  # library() keeps it
                 t = time.perf_counter()
                 outs[name] = [native.expert_mlp(p, x) for p in parts]
                 times.setdefault((m, name), []).append((time.perf_counter() - t) / len(parts))
@@ -97,6 +109,44 @@ def main() -> int:
         if len(builds) == 2:
             mine, other = (statistics.median(times[(m, n)]) for n in builds)
             line += f"  (this tree / against: {mine / other:.3f})"
+        print(line)
+    return 0
+
+
+def decode(builds: dict, args: argparse.Namespace) -> int:
+    """Decode tokens/s of each policy on each build, interleaved, with median per pair."""
+    from backend.bench import BenchPlan, prompts_for, run_once
+    from backend.demo import ensure_demo
+    from backend.models.loader import load_model
+
+    model = load_model(ensure_demo())
+    plan = BenchPlan(tokens=args.tokens, storage="ssd")
+    prompts = prompts_for(model, args.workload, args.requests)
+    got: dict[tuple[str, str], list[float]] = {}
+    tokens: dict[tuple[str, str], list] = {}
+    for rnd in range(args.rounds):
+        for policy in args.policies.split(","):
+            for name in builds if rnd % 2 == 0 else reversed(builds):
+                native._lib, native._tried = builds[name], True
+                rec = run_once(model, policy, prompts, args.cache, plan)
+                got.setdefault((policy, name), []).append(rec["tokens_per_s"])
+                tokens.setdefault((policy, name), []).append(rec["tokens"])
+                print(f"[{rnd + 1}/{args.rounds}] {policy} {name}: {rec['tokens_per_s']:.2f} tok/s")
+    print(
+        f"{args.workload}, {args.requests} requests, cache {args.cache:.0%}, "
+        f"{args.tokens} tokens, median of {args.rounds}"
+    )
+    for policy in args.policies.split(","):
+        line = f"{policy}: " + "  ".join(
+            f"{name} {statistics.median(got[(policy, name)]):.2f} tok/s" for name in builds
+        )
+        if len(builds) == 2:
+            mine, other = (statistics.median(got[(policy, n)]) for n in builds)
+            line += f"  (this tree / against: {mine / other:.3f})"
+            same = all(
+                t == tokens[(policy, "this tree")][0] for n in builds for t in tokens[(policy, n)]
+            )
+            line += "" if same else "  TOKENS DIFFER"
         print(line)
     return 0
 

@@ -9,9 +9,10 @@ Python between its steps. On this project's 2-core test machine (demo MoE, Q4_1,
 [1536, 576] experts, 64 experts in turn so their bytes are not in cache), one expert
 took 133-156 us for one row against 221 us by the Inductor graphs; 2 rows 164-200
 against 266 us, 8 rows ~470 against ~550 us. The kernel is compiled once per row count
-(1-8) with every accumulator in a register: on a slower machine of the same kind, that
-took one row from 0.36 to 0.29 ms and 8 rows from 0.76 to 0.67 ms, the same bits
-(``benchmarks/q4_kernels.py --against`` the older source, 2 threads).
+(1-8) so that its accumulators stay in registers: on a slower machine of the same kind,
+that took 11-24 % off each call at 1-8 rows (one row 0.36 -> 0.29 ms, 4 rows 0.53 ->
+0.40, 8 rows 0.76 -> 0.67; ``benchmarks/q4_kernels.py --against`` the older source, 2
+threads), the same bits.
 
 It needs a C compiler with OpenMP (``cc``, or ``$CC``) and an x86-64 CPU with AVX2, FMA and
 F16C; elsewhere, or if the build fails, ``available()`` is False and callers keep

@@ -89,8 +89,9 @@ static inline float acc_sum(acc_t a) {
 #endif
 
 /* y[r, n] for r < m and n0 <= n < n1 (y has row stride ldy), R weight rows at a time.
-   Inlined with m, R and the block type as constants, so that the compiler unrolls the row
-   loops and keeps every accumulator in a register (m * R of them). Each output's
+   Inlined with m, R and the block type as constants, so that the compiler can unroll the
+   row loops and keep the m * R accumulators in registers (all of them with AVX-512's 32;
+   AVX2's 16 spill some at the larger m * R). Each output's
    operations are the same whatever m, R and n0 are (the same BLOCK, the same order), so
    its bits do not depend on its batch-mates or on how the columns are shared out. */
 static inline __attribute__((always_inline)) void cols(const uint8_t *w, const int q4_1,
@@ -127,9 +128,10 @@ static inline __attribute__((always_inline)) void cols(const uint8_t *w, const i
     }
 }
 
-/* R by rows of x: m * R <= 16 accumulators, R dividing the 32-column chunks; the fastest
-   measured (benchmarks/q4_kernels.py): 20-26 % less time than two weight rows at a time
-   with runtime m, at every m, on AVX-512. */
+/* R by rows of x: m * R <= 16 accumulators, and R dividing 32 (the demo's column chunks:
+   fewer columns left to the one-at-a-time loop). The fastest of those tried on AVX-512
+   (benchmarks/q4_kernels.py). */
+_Static_assert(ROWS == 8, "q4_cols has a case for each row count 1..ROWS");
 #define COLS(Q, M, R) cols(w, Q, x, xsum, M, R, k, y, ldy, n0, n1)
 #define BY_ROWS(Q)                                                                           \
     switch (m) {                                                                             \
@@ -140,7 +142,8 @@ static inline __attribute__((always_inline)) void cols(const uint8_t *w, const i
     case 5: COLS(Q, 5, 2); break;                                                            \
     case 6: COLS(Q, 6, 2); break;                                                            \
     case 7: COLS(Q, 7, 2); break;                                                            \
-    default: COLS(Q, 8, 2); break;                                                           \
+    case 8: COLS(Q, 8, 2); break;                                                            \
+    default: break; /* no rows (callers pass 1..ROWS) */                                     \
     }
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. */

@@ -33,7 +33,7 @@ def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, 9, 17])
 def test_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: QType, rows: int):
     monkeypatch.setattr(native, "_lib", lib)
-    n = 291  # odd: the last column is computed alone, the others in pairs
+    n = 291  # column chunks of 32 and 33: the last column of some is computed alone
     raw = _raw(qtype, n, HIDDEN, seed=rows)
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
     got = native.linear(raw, qtype, (n, HIDDEN), x)
@@ -41,6 +41,22 @@ def test_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: QType, ro
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     for lo, hi in ((0, 1), (rows - 1, rows), (1, rows)):
         assert torch.equal(native.linear(raw, qtype, (n, HIDDEN), x[lo:hi]), got[lo:hi])
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
+def test_every_row_count_and_leftover_column(lib, monkeypatch, qtype: QType):
+    """47 columns in one chunk: each row count 1-8 takes its weight rows 8, 4 or 2 at a
+    time and 7, 3 or 1 columns one at a time after; every row is the same alone, and
+    close to dequantize-then-matmul."""
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 47
+    raw = _raw(qtype, n, HIDDEN, seed=47)
+    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(47))
+    ref = F.linear(x, dequantize(raw, qtype, (n, HIDDEN)))
+    alone = torch.cat([native.linear(raw, qtype, (n, HIDDEN), x[i : i + 1]) for i in range(8)])
+    assert (alone - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for rows in range(2, 9):
+        assert torch.equal(native.linear(raw, qtype, (n, HIDDEN), x[:rows]), alone[:rows])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12])
