@@ -91,9 +91,9 @@ static inline float acc_sum(acc_t a) {
 /* y[r, n] for r < m and n0 <= n < n1 (y has row stride ldy), R weight rows at a time.
    Inlined with m, R and the block type as constants, so that the compiler can unroll the
    row loops and keep the m * R accumulators in registers (all of them with AVX-512's 32;
-   AVX2's 16 spill some at the larger m * R). Each output's
-   operations are the same whatever m, R and n0 are (the same BLOCK, the same order), so
-   its bits do not depend on its batch-mates or on how the columns are shared out. */
+   AVX2's 16 spill some at the larger m * R). Each output's operations are the same
+   whatever m, R and n0 are (the same BLOCK, the same order), so its bits do not depend
+   on its batch-mates or on how the columns are shared out. */
 static inline __attribute__((always_inline)) void cols(const uint8_t *w, const int q4_1,
                                                        const float *x, const float *xsum,
                                                        const int m, const int R, int k,
@@ -253,6 +253,16 @@ static void moe_route(int j, int i, int k, const float *route_w, const float *o,
     }
 }
 
+/* Expert e of a bevy_q4_moe call on its gathered rows (xg) into og, on `threads` threads. */
+static int moe_expert(const uint64_t *weights, const int *types, const int *counts,
+                      const int *first, int e, const float *xg, float *og, int inner, int hidden,
+                      int threads) {
+    const size_t at = (size_t)first[e] * hidden;
+    return bevy_q4_expert_mlp((const uint8_t *)weights[3 * e], (const uint8_t *)weights[3 * e + 1],
+                              (const uint8_t *)weights[3 * e + 2], types[e], xg + at, og + at,
+                              counts[e], inner, hidden, threads);
+}
+
 /* A whole MoE layer for a batch of rows, in one call (no Python between experts).
    For each expert e < n_experts in turn, and each of its counts[e] routes in turn (taken
    from `routes`, consecutively over the experts, route j overall): i = routes[j] is the
@@ -271,58 +281,33 @@ static void moe_route(int j, int i, int k, const float *route_w, const float *o,
 int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, int n_experts,
                 const int *routes, const float *route_w, int k, const float *x, float *y,
                 float *parts, int sum_rows, int inner, int hidden, int threads) {
-    int most = 0, n_routes = 0;
-    for (int e = 0; e < n_experts; e++) {
-        most = counts[e] > most ? counts[e] : most;
-        n_routes += counts[e];
-    }
-    if (threads > 1 && n_experts >= 2 * threads) {
-        float *xg = malloc(sizeof(float) * (size_t)n_routes * hidden * 2 + 1);
-        int *first = malloc(sizeof(int) * (size_t)n_experts + 1);
-        if (!xg || !first) {
-            free(xg);
-            free(first);
-            return -1;
-        }
-        float *og = xg + (size_t)n_routes * hidden;
-        for (int e = 0, j0 = 0; e < n_experts; j0 += counts[e], e++) first[e] = j0;
-        for (int j = 0; j < n_routes; j++)
-            memcpy(xg + (size_t)j * hidden, x + (size_t)(routes[j] / k) * hidden,
-                   sizeof(float) * hidden);
-        int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
-        for (int e = 0; e < n_experts; e++) {
-            const size_t at = (size_t)first[e] * hidden;
-            failed |= bevy_q4_expert_mlp(
-                (const uint8_t *)weights[3 * e], (const uint8_t *)weights[3 * e + 1],
-                (const uint8_t *)weights[3 * e + 2], types[e], xg + at, og + at, counts[e],
-                inner, hidden, 1);
-        }
-        if (!failed)
-            for (int j = 0; j < n_routes; j++)
-                moe_route(j, routes[j], k, route_w, og + (size_t)j * hidden, y, parts, sum_rows,
-                          hidden);
+    int n_routes = 0;
+    for (int e = 0; e < n_experts; e++) n_routes += counts[e];
+    /* Every route's input row gathered (xg) and its expert's output (og), route j at row j. */
+    float *xg = malloc(sizeof(float) * (size_t)n_routes * hidden * 2 + 1);
+    int *first = malloc(sizeof(int) * (size_t)n_experts + 1);
+    if (!xg || !first) {
         free(xg);
         free(first);
-        return failed ? -1 : 0;
+        return -1;
     }
-    float *xg = malloc(sizeof(float) * (size_t)most * hidden * 2 + 1);
-    if (!xg) return -1;
-    float *og = xg + (size_t)most * hidden;
-    int j0 = 0;
-    for (int e = 0; e < n_experts; j0 += counts[e], e++) {
-        const int c = counts[e], *r = routes + j0;
-        for (int j = 0; j < c; j++)
-            memcpy(xg + (size_t)j * hidden, x + (size_t)(r[j] / k) * hidden, sizeof(float) * hidden);
-        if (bevy_q4_expert_mlp((const uint8_t *)weights[3 * e], (const uint8_t *)weights[3 * e + 1],
-                               (const uint8_t *)weights[3 * e + 2], types[e], xg, og, c, inner,
-                               hidden, threads)) {
-            free(xg);
-            return -1;
-        }
-        for (int j = 0; j < c; j++)
-            moe_route(j0 + j, r[j], k, route_w, og + (size_t)j * hidden, y, parts, sum_rows, hidden);
+    float *og = xg + (size_t)n_routes * hidden;
+    for (int e = 0, j0 = 0; e < n_experts; j0 += counts[e], e++) first[e] = j0;
+    for (int j = 0; j < n_routes; j++)
+        memcpy(xg + (size_t)j * hidden, x + (size_t)(routes[j] / k) * hidden, sizeof(float) * hidden);
+    int failed = 0;
+    if (threads > 1 && n_experts >= 2 * threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
+        for (int e = 0; e < n_experts; e++)
+            failed |= moe_expert(weights, types, counts, first, e, xg, og, inner, hidden, 1);
+    } else {
+        for (int e = 0; e < n_experts && !failed; e++)
+            failed |= moe_expert(weights, types, counts, first, e, xg, og, inner, hidden, threads);
     }
+    if (!failed)
+        for (int j = 0; j < n_routes; j++)
+            moe_route(j, routes[j], k, route_w, og + (size_t)j * hidden, y, parts, sum_rows, hidden);
     free(xg);
-    return 0;
+    free(first);
+    return failed ? -1 : 0;
 }
