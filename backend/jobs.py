@@ -9,9 +9,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from backend.cache import ExpertCache
 from backend.formats import native, qmatmul
+from backend.formats.quants import dequantize
 from backend.models.transformer import SeqSlice, Transformer
 from backend.models.weights import ExpertRef, ExpertWeights, dequantize_slot
 from backend.request import Request
@@ -19,6 +21,11 @@ from backend.request import Request
 # Routes (row, expert) gathered and multiplied per batch in ``JobRunner._moe``: a decoding
 # run (16 requests x top-8) is one batch; a long prompt takes several.
 ROUTES_PER_BATCH = 2048
+# ``JobRunner._moe_grouped``: the most routes one expert may have there (decoding runs; a
+# prompt's experts take ``_moe_torch``, where padding would waste work), and the most
+# bytes of decoded weights one batched product may hold (more experts go in turns).
+GROUPED_MAX_ROWS = 64
+GROUPED_BYTES = 512 << 20
 
 
 class JobRunner:
@@ -57,6 +64,9 @@ class JobRunner:
             and slots.dim() == 2
             and slots.is_contiguous()
         )
+        # Stored slots on an accelerator: a job's experts are decoded and multiplied
+        # together (``_moe_grouped``), a few device ops per job instead of per expert.
+        self.grouped = slots.dtype == torch.uint8 and slots.device.type != "cpu"
         self.on_route: Callable[[Request], None] = lambda r: None
 
     def expert(self, layer: int, e: int) -> ExpertWeights:
@@ -190,6 +200,8 @@ class JobRunner:
         y = None
         if all(r.n == 1 for r in members[n_whole:]):
             y = self._moe_native(layer, members, subsets, n_whole, x, w)
+        if y is None and self.grouped:
+            y = self._moe_grouped(layer, members, subsets, n_whole, x, w)
         if y is None:
             y = self._moe_torch(layer, members, subsets, n_whole, x, w)
         row = 0
@@ -218,28 +230,9 @@ class JobRunner:
     ) -> torch.Tensor:
         """``_moe``'s products one expert at a time (``mlp``): the whole members' sum
         ``y`` [their rows, D]; the others get their ``parts`` or ``acc`` (``_spans``)."""
-        # Routes to experts outside a request's subset this run are hidden (-1).
-        ids = [
-            r.route_ids
-            if len(s) == len(r.needed)
-            else r.route_ids.masked_fill(
-                ~torch.isin(r.route_ids, torch.tensor(sorted(s), device=x.device)), -1
-            )
-            for r, s in zip(members, subsets, strict=True)
-        ]
-        ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+        experts, counts, rows, ws = self._sorted_routes(members, subsets, w)
         whole_rows = sum(r.n for r in members[:n_whole])
         y = x.new_zeros(whole_rows, x.shape[1])
-        # Every (row, expert) route, sorted by expert, rows ascending within each (a stable
-        # sort): one gather of the inputs per batch, then each expert takes a contiguous slice.
-        k = ids.shape[1]
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        experts, counts = experts.tolist(), counts.tolist()
-        if experts and experts[0] < 0:  # hidden routes sort first: drop them
-            order, experts, counts = order[counts[0] :], experts[1:], counts[1:]
-        rows, ws = order // k, w.flatten()[order]
         others = members[n_whole:]  # riders and streamed prompts: see ``_spans``
         # Experts are taken in consecutive batches of at most ROUTES_PER_BATCH routes (one
         # expert may exceed it): a long prompt's gathered inputs and products stay bounded,
@@ -264,6 +257,108 @@ class JobRunner:
             else:
                 y.index_add_(0, rows[sl], out)
             at, size, chunk = at + size, 0, []
+        return y
+
+    @staticmethod
+    def _sorted_routes(
+        members: Sequence[Request], subsets: Sequence[set[int]], w: torch.Tensor
+    ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+        """Every (row, expert) route of this run, sorted by expert, rows ascending within
+        each (a stable sort), so each expert takes a contiguous slice: (experts, their
+        route counts, each route's row, each route's weight)."""
+        # Routes to experts outside a request's subset this run are hidden (-1).
+        ids = [
+            r.route_ids
+            if len(s) == len(r.needed)
+            else r.route_ids.masked_fill(
+                ~torch.isin(r.route_ids, torch.tensor(sorted(s), device=w.device)), -1
+            )
+            for r, s in zip(members, subsets, strict=True)
+        ]
+        ids = ids[0] if len(ids) == 1 else torch.cat(ids)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        experts, counts = experts.tolist(), counts.tolist()
+        if experts and experts[0] < 0:  # hidden routes sort first: drop them
+            order, experts, counts = order[counts[0] :], experts[1:], counts[1:]
+        return experts, counts, order // k, w.flatten()[order]
+
+    def _moe_grouped(
+        self,
+        layer: int,
+        members: Sequence[Request],
+        subsets: Sequence[set[int]],
+        n_whole: int,
+        x: torch.Tensor,
+        w: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """``_moe_torch``'s work with a fixed number of device ops per job instead of a
+        dozen per expert part, for stored slots on an accelerator, where launching those
+        small ops from Python bounded the speed: each part's bytes are gathered from the
+        experts' slots in one copy and decoded for all of them at once (their matrices
+        stacked are one matrix of the same block type), and the MLPs run as
+        batched products over experts, each expert's rows padded to the most any has.
+        The routes, the scaling and the order of the sums are ``_moe_torch``'s (the
+        products round as the device's batched matmul does). None where the experts'
+        parts differ in block type or shape, or an expert has more than
+        ``GROUPED_MAX_ROWS`` routes."""
+        experts, counts, rows, ws = self._sorted_routes(members, subsets, w)
+        if not experts or max(counts) > GROUPED_MAX_ROWS:
+            return None
+        parts = self.experts[layer][experts[0]].parts
+        kinds = [(p.qtype, tuple(p.shape), p.nbytes) for p in parts]
+        for e in experts[1:]:
+            if [(p.qtype, tuple(p.shape), p.nbytes) for p in self.experts[layer][e].parts] != kinds:
+                return None
+        # Each expert's slot row and the offsets of its parts there (they differ between
+        # experts read from the model file: see the store's aligned reads).
+        places = [
+            (self.slots[self.cache.slot_of[(layer, e)]], self.layouts[(layer, e)]) for e in experts
+        ]
+        device, dtype = self.slots.device, self.t.dtype
+        # Each part is decoded in float32, then cast: count the wider of the two.
+        decoded = sum(p.numel for p in parts) * max(4, torch.finfo(dtype).bits // 8)
+        step = max(1, GROUPED_BYTES // decoded)
+        whole_rows = sum(r.n for r in members[:n_whole])
+        y = x.new_zeros(whole_rows, x.shape[1])
+        others = members[n_whole:]
+        first = 0  # the chunk's first route
+        for a in range(0, len(experts), step):
+            cs = counts[a : a + step]
+            n_exp, n_routes = len(cs), sum(cs)
+            gate, up, down = (
+                dequantize(
+                    torch.cat([row[at[i] : at[i] + p.nbytes] for row, at in places[a : a + n_exp]]),
+                    p.qtype,
+                    (n_exp * p.shape[0], p.shape[1]),
+                    dtype,
+                ).view(n_exp, *p.shape)
+                for i, p in enumerate(parts)
+            )
+            # Route j of the chunk is expert which[j]'s route number pos[j].
+            which = torch.repeat_interleave(torch.arange(n_exp), torch.tensor(cs))
+            starts = torch.tensor([0, *cs[:-1]]).cumsum(0)
+            pos = torch.arange(n_routes) - starts[which]
+            which, pos = which.to(device), pos.to(device)
+            sl = slice(first, first + n_routes)
+            xp = x.new_zeros(n_exp, max(cs), x.shape[1])
+            xp[which, pos] = x[rows[sl]]
+            act = F.silu(torch.bmm(xp, gate.transpose(1, 2))) * torch.bmm(xp, up.transpose(1, 2))
+            out = torch.bmm(act, down.transpose(1, 2))[which, pos] * ws[sl, None]
+            if others:
+                self._spans(
+                    others,
+                    whole_rows,
+                    rows[sl],
+                    out,
+                    list(zip(experts[a : a + n_exp], cs, strict=True)),
+                    y,
+                )
+            else:
+                y.index_add_(0, rows[sl], out)
+            first += n_routes
         return y
 
     def _moe_native(

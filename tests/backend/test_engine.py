@@ -374,3 +374,41 @@ def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
     (out, splits), (out0, splits0) = results[True], results[False]
     assert splits and not splits0
     assert_same_results(out, out0)
+
+
+@pytest.mark.parametrize("chunk", ["one", "per-expert"])
+@pytest.mark.parametrize("policy", ["bevy", "sync"])
+@pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "mixtral-q4-gguf", "qwen3-hf"])
+def test_grouped_experts_match_plain_generation(
+    models, references, monkeypatch, model_name: str, policy: str, chunk: str
+) -> None:
+    """The accelerator path (``JobRunner._moe_grouped``: a job's experts decoded together
+    and multiplied as batched products), forced on the CPU: it runs for decoding jobs,
+    riders included, and gives plain generation's tokens, logits within 1e-4. With room
+    for one expert per batched product, the experts go in turns and nothing changes."""
+    from backend import jobs
+    from tests.backend.spy import spy
+
+    init = jobs.JobRunner.__init__
+
+    def grouped_init(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self.grouped = True
+
+    monkeypatch.setattr(jobs.JobRunner, "__init__", grouped_init)
+    monkeypatch.setattr(jobs.JobRunner, "_moe_native", lambda *args: None)
+    if chunk == "per-expert":
+        monkeypatch.setattr(jobs, "GROUPED_BYTES", 1)
+    calls = spy(monkeypatch, jobs.JobRunner, "_moe_grouped")
+    config = EngineConfig(policy=policy, cache="0.3", storage="ssd")
+    fin, logs = run_clean(models[model_name], config)
+    ran = [args for args, result in calls if result is not None]
+    assert ran
+    if policy == "bevy":  # a group carried one-token riders: their products came back apart
+        assert any(
+            0 < args[4] < len(args[2]) and all(r.n == 1 for r in args[2][args[4] :]) for args in ran
+        )
+    for i, (tokens, logits) in enumerate(references[model_name]):
+        rid = f"r{i}"
+        assert list(fin[rid].token_ids) == tokens, rid
+        assert (torch.stack(logs[rid]) - logits).abs().max().item() <= 1e-4, rid

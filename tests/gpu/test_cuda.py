@@ -33,7 +33,14 @@ def gguf_path(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("policy", ["bevy", "sync", "prefetch-gate"])
 @pytest.mark.parametrize("slot_format", ["stored", "decoded"])
 @pytest.mark.parametrize("storage", ["host", "ssd"])
-def test_cuda_matches_cpu_reference(gguf_path, policy: str, slot_format: str, storage: str) -> None:
+def test_cuda_matches_cpu_reference(
+    gguf_path, monkeypatch, policy: str, slot_format: str, storage: str
+) -> None:
+    """Stored slots take the grouped path (``JobRunner._moe_grouped``); decoded ones do not."""
+    from backend.jobs import JobRunner
+    from tests.backend.spy import spy
+
+    grouped = spy(monkeypatch, JobRunner, "_moe_grouped")
     cpu = load_model(gguf_path)
     refs = [greedy_logits(cpu, p, 5) for p in PROMPTS]
     model = load_model(gguf_path, device="cuda")
@@ -64,6 +71,7 @@ def test_cuda_matches_cpu_reference(gguf_path, policy: str, slot_format: str, st
                 ours - logits
             ).abs().max().item() <= 1e-3  # TF32/cuBLAS reductions differ from CPU
         assert sum(eng.cache.refs) == 0
+        assert any(y is not None for _, y in grouped) == (slot_format == "stored")
     finally:
         eng.close()
 
