@@ -136,6 +136,8 @@ def build(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> cty
         i32,
     ]
     lib.bevy_q4_moe.restype = i32
+    lib.bevy_q8_linear.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
+    lib.bevy_q8_linear.restype = i32
     return lib
 
 
@@ -175,6 +177,32 @@ def _rows_ok(x: torch.Tensor, k: int) -> bool:
         and x.device.type == "cpu"
         and x.is_contiguous()
     )
+
+
+def linear_q8(raw: torch.Tensor, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor | None:
+    """x [M, k] @ W.T for W [n, k] = ``shape`` stored in ``raw``'s Q8_0 blocks; None where
+    the kernels are unavailable or do not take these arguments. Each row of x is reduced on
+    its own: a row's result does not depend on its batch-mates."""
+    lib = library()
+    n, k = shape
+    if (
+        lib is None
+        or k % 32
+        or raw.dtype != torch.uint8
+        or raw.device.type != "cpu"
+        or not raw.is_contiguous()
+        or raw.numel() != n * (k // 32) * 34
+    ):
+        return None
+    x = x.contiguous()
+    if not _rows_ok(x, k):
+        return None
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0]:
+        lib.bevy_q8_linear(
+            raw.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads()
+        )
+    return y
 
 
 def _weight_ok(raw: torch.Tensor, qtype: QType, n: int, k: int) -> bool:

@@ -311,3 +311,71 @@ int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, in
     free(first);
     return failed ? -1 : 0;
 }
+
+/* Q8_0 weights (the LM head of most GGUF files): a block is f16 d and 32 int8 q, element
+   = d * q. Each output is summed as y[r, n] = sum_b d[n, b] * (q[n, b, :] . x[r, b, :]),
+   the weights widened to float once per block for all rows of x, each row reduced on its
+   own in the same order whatever the other rows are. The head is wide (49152 rows for
+   SmolLM2) and read once per decoding step for a few rows: this reads its 34-byte blocks
+   instead of the 128 bytes of their float copy. */
+#ifdef __AVX512F__
+#define Q8_BLOCK(W, ACC)                                                                     \
+    {                                                                                        \
+        const uint8_t *blk = (W) + (size_t)b * 34;                                           \
+        __m512 dv = _mm512_set1_ps(f16_at(blk));                                             \
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))); \
+        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))); \
+        for (int r = 0; r < m; r++) {                                                        \
+            const float *xb = x + (size_t)r * k + (size_t)b * 32;                            \
+            __m512 s = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));                               \
+            s = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), s);                            \
+            ACC[r] = _mm512_fmadd_ps(dv, s, ACC[r]);                                         \
+        }                                                                                    \
+    }
+#else
+#define Q8_BLOCK(W, ACC)                                                                     \
+    {                                                                                        \
+        const uint8_t *blk = (W) + (size_t)b * 34;                                           \
+        __m256 dv = _mm256_set1_ps(f16_at(blk));                                             \
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));                            \
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));                           \
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0));                            \
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)));         \
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1));                            \
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)));         \
+        for (int r = 0; r < m; r++) {                                                        \
+            const float *xb = x + (size_t)r * k + (size_t)b * 32;                            \
+            __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));                               \
+            s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);                             \
+            s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);                            \
+            s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);                            \
+            ACC[r] = _mm256_fmadd_ps(dv, s, ACC[r]);                                         \
+        }                                                                                    \
+    }
+#endif
+
+/* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1 (y has row stride ldy), Q8_0. */
+static void q8_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
+                    int n1) {
+    const int nb = k / 32;
+    for (int n = n0; n < n1; n++) {
+        acc_t acc[ROWS];
+        for (int r = 0; r < m; r++) acc[r] = acc_zero();
+        const uint8_t *w0 = w + (size_t)n * nb * 34;
+        for (int b = 0; b < nb; b++) Q8_BLOCK(w0, acc)
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(acc[r]);
+    }
+}
+
+/* y [M, N] = x [M, K] @ W.T for W [N, K] in Q8_0 blocks, on `threads` threads. 0. */
+int bevy_q8_linear(const uint8_t *w, const float *x, float *y, int M, int N, int K, int threads) {
+    const int chunks = n_chunks(N);
+    for (int r0 = 0; r0 < M; r0 += ROWS) {
+        int m = M - r0 < ROWS ? M - r0 : ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int t = 0; t < chunks; t++)
+            q8_cols(w, x + (size_t)r0 * K, m, K, y + (size_t)r0 * N, N,
+                    (int)((long)N * t / chunks), (int)((long)N * (t + 1) / chunks));
+    }
+    return 0;
+}

@@ -256,7 +256,8 @@ def _fused_dense(
 ) -> dict[str, FusedWeight]:
     """The dense weights decoding reads most, with compiled few-row kernels (see
     ``Transformer.fused``): each layer's q/k/v (stacked) and output projection where stored
-    as Q4_0 / Q4_1 (kept in those blocks too), and the LM head (its float copy)."""
+    as Q4_0 / Q4_1 (kept in those blocks too), and the LM head (its float copy, and its
+    blocks where stored as Q8_0)."""
     refs = info.dense_refs
 
     def part(name: str) -> tuple[torch.Tensor, QType, tuple[int, int]]:
@@ -275,8 +276,11 @@ def _fused_dense(
         o = FusedWeight.stacked([part(p + "attn_output")])
         if o is not None:
             out[p + "attn_output"] = o
-    head = dense["token_embd" if info.config.tie_embeddings else "output"]
-    out["head"] = FusedWeight(head, QType.F32, (head.shape[0], head.shape[1]))
+    name = "token_embd" if info.config.tie_embeddings else "output"
+    head = dense[name]
+    ref = refs.get(name)
+    q8 = files.bytes_of(ref) if ref is not None and ref.qtype == QType.Q8_0 else None
+    out["head"] = FusedWeight(head, QType.F32, (head.shape[0], head.shape[1]), q8)
     return out
 
 

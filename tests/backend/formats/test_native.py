@@ -243,3 +243,21 @@ def test_a_build_is_reused_and_a_failed_one_leaves_the_graphs(tmp_path, monkeypa
     monkeypatch.setenv("BEVY_NATIVE", "0")
     monkeypatch.delenv("CC")
     assert native.library() is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_q8_linear_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
+    """Q8_0 weights (the LM head): within 1e-5 of dequantize-then-matmul, and each row the
+    same alone as in its batch (more than 8 rows take several passes)."""
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 291
+    raw = _raw(QType.Q8_0, n, HIDDEN, seed=rows)
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+    got = native.linear_q8(raw, (n, HIDDEN), x)
+    ref = F.linear(x, dequantize(raw, QType.Q8_0, (n, HIDDEN)))
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for lo, hi in ((0, 1), (rows - 1, rows), (1, rows)):
+        assert torch.equal(native.linear_q8(raw, (n, HIDDEN), x[lo:hi]), got[lo:hi])
+    # Bytes that do not hold such a weight, or rows of another width: not taken.
+    assert native.linear_q8(raw[:-1], (n, HIDDEN), x) is None
+    assert native.linear_q8(raw, (n, HIDDEN), torch.randn(1, HIDDEN + 32)) is None
