@@ -185,14 +185,7 @@ def linear_q8(raw: torch.Tensor, shape: tuple[int, int], x: torch.Tensor) -> tor
     its own: a row's result does not depend on its batch-mates."""
     lib = library()
     n, k = shape
-    if (
-        lib is None
-        or k % 32
-        or raw.dtype != torch.uint8
-        or raw.device.type != "cpu"
-        or not raw.is_contiguous()
-        or raw.numel() != n * (k // 32) * 34
-    ):
+    if lib is None or not _weight_ok(raw, 34, n, k):
         return None
     x = x.contiguous()
     if not _rows_ok(x, k):
@@ -205,8 +198,8 @@ def linear_q8(raw: torch.Tensor, shape: tuple[int, int], x: torch.Tensor) -> tor
     return y
 
 
-def _weight_ok(raw: torch.Tensor, qtype: QType, n: int, k: int) -> bool:
-    bb = _BLOCK_BYTES.get(qtype)
+def _weight_ok(raw: torch.Tensor, bb: int | None, n: int, k: int) -> bool:
+    """``raw`` holds a weight [n, k] of ``bb``-byte blocks of 32, where the kernels read it."""
     return (
         bb is not None
         and k % 32 == 0
@@ -222,7 +215,7 @@ def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Ten
     kernels are unavailable or do not take these arguments."""
     lib = library()
     n, k = shape
-    if lib is None or not _weight_ok(raw, qtype, n, k):
+    if lib is None or not _weight_ok(raw, _BLOCK_BYTES.get(qtype), n, k):
         return None
     x = x.contiguous()
     if not _rows_ok(x, k):

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from backend.errors import ModelLoadError
+from backend.formats import native
 from backend.formats.dense_kernels import FusedWeight
 from backend.formats.gguf import GGUFFile, is_gguf, read_gguf
 from backend.formats.qmatmul import FUSABLE
@@ -279,7 +280,10 @@ def _fused_dense(
     name = "token_embd" if info.config.tie_embeddings else "output"
     head = dense[name]
     ref = refs.get(name)
-    q8 = files.bytes_of(ref) if ref is not None and ref.qtype == QType.Q8_0 else None
+    # Its Q8_0 blocks too, where the native kernel that reads them builds (~30 MB here).
+    q8 = None
+    if ref is not None and ref.qtype == QType.Q8_0 and native.available():
+        q8 = files.bytes_of(ref)
     out["head"] = FusedWeight(head, QType.F32, (head.shape[0], head.shape[1]), q8)
     return out
 
