@@ -200,10 +200,12 @@ class JobRunner:
         y = None
         if all(r.n == 1 for r in members[n_whole:]):
             y = self._moe_native(layer, members, subsets, n_whole, x, w)
+        routes = None  # sorted once for both paths below (``_sorted_routes``)
         if y is None and self.grouped:
-            y = self._moe_grouped(layer, members, subsets, n_whole, x, w)
+            routes = self._sorted_routes(members, subsets, w)
+            y = self._moe_grouped(layer, members, n_whole, x, routes)
         if y is None:
-            y = self._moe_torch(layer, members, subsets, n_whole, x, w)
+            y = self._moe_torch(layer, members, subsets, n_whole, x, w, routes)
         row = 0
         for r, s in zip(members[:n_whole], subsets[:n_whole], strict=True):
             r.acc, r.done = y[row : row + r.n], set(s)
@@ -227,10 +229,12 @@ class JobRunner:
         n_whole: int,
         x: torch.Tensor,
         w: torch.Tensor,
+        routes: tuple | None = None,
     ) -> torch.Tensor:
         """``_moe``'s products one expert at a time (``mlp``): the whole members' sum
-        ``y`` [their rows, D]; the others get their ``parts`` or ``acc`` (``_spans``)."""
-        experts, counts, rows, ws = self._sorted_routes(members, subsets, w)
+        ``y`` [their rows, D]; the others get their ``parts`` or ``acc`` (``_spans``).
+        ``routes``: ``_sorted_routes``'s result, where the caller has it already."""
+        experts, counts, rows, ws = routes or self._sorted_routes(members, subsets, w)
         whole_rows = sum(r.n for r in members[:n_whole])
         y = x.new_zeros(whole_rows, x.shape[1])
         others = members[n_whole:]  # riders and streamed prompts: see ``_spans``
@@ -289,10 +293,9 @@ class JobRunner:
         self,
         layer: int,
         members: Sequence[Request],
-        subsets: Sequence[set[int]],
         n_whole: int,
         x: torch.Tensor,
-        w: torch.Tensor,
+        routes: tuple,
     ) -> torch.Tensor | None:
         """``_moe_torch``'s work with a fixed number of device ops per job instead of a
         dozen per expert part, for stored slots on an accelerator, where launching those
@@ -303,8 +306,8 @@ class JobRunner:
         The routes, the scaling and the order of the sums are ``_moe_torch``'s (the
         products round as the device's batched matmul does). None where the experts'
         parts differ in block type or shape, or an expert has more than
-        ``GROUPED_MAX_ROWS`` routes."""
-        experts, counts, rows, ws = self._sorted_routes(members, subsets, w)
+        ``GROUPED_MAX_ROWS`` routes. ``routes``: ``_sorted_routes``'s result."""
+        experts, counts, rows, ws = routes
         if not experts or max(counts) > GROUPED_MAX_ROWS:
             return None
         parts = self.experts[layer][experts[0]].parts

@@ -135,7 +135,7 @@ class _Dense:
         ):
             return None
         if w.q8 is not None:
-            out = native.linear_q8(w.q8, w.shape, x)  # where it builds
+            out = native.linear(w.q8, QType.Q8_0, w.shape, x)  # where it builds
             if out is not None:
                 return out
         if w.qtype != QType.F32:

@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native_q4.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20}
+# ``linear`` also takes Q8_0 (most GGUF files' LM head): f16 d and 32 int8.
+_LINEAR_BLOCK_BYTES = {**_BLOCK_BYTES, QType.Q8_0: 34}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -179,25 +181,6 @@ def _rows_ok(x: torch.Tensor, k: int) -> bool:
     )
 
 
-def linear_q8(raw: torch.Tensor, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor | None:
-    """x [M, k] @ W.T for W [n, k] = ``shape`` stored in ``raw``'s Q8_0 blocks; None where
-    the kernels are unavailable or do not take these arguments. Each row of x is reduced on
-    its own: a row's result does not depend on its batch-mates."""
-    lib = library()
-    n, k = shape
-    if lib is None or not _weight_ok(raw, 34, n, k):
-        return None
-    x = x.contiguous()
-    if not _rows_ok(x, k):
-        return None
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0]:
-        lib.bevy_q8_linear(
-            raw.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads()
-        )
-    return y
-
-
 def _weight_ok(raw: torch.Tensor, bb: int | None, n: int, k: int) -> bool:
     """``raw`` holds a weight [n, k] of ``bb``-byte blocks of 32, where the kernels read it."""
     return (
@@ -211,17 +194,22 @@ def _weight_ok(raw: torch.Tensor, bb: int | None, n: int, k: int) -> bool:
 
 
 def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Tensor):
-    """x [M, k] @ W.T for W [n, k] = ``shape`` stored in ``raw``'s Q4 blocks; None where the
-    kernels are unavailable or do not take these arguments."""
+    """x [M, k] @ W.T for W [n, k] = ``shape`` stored in ``raw``'s Q4_0, Q4_1 or Q8_0
+    blocks; None where the kernels are unavailable or do not take these arguments. Each row
+    of x is reduced on its own: a row's result does not depend on its batch-mates."""
     lib = library()
     n, k = shape
-    if lib is None or not _weight_ok(raw, _BLOCK_BYTES.get(qtype), n, k):
+    if lib is None or not _weight_ok(raw, _LINEAR_BLOCK_BYTES.get(qtype), n, k):
         return None
     x = x.contiguous()
     if not _rows_ok(x, k):
         return None
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0]:
+    if x.shape[0] and qtype == QType.Q8_0:
+        lib.bevy_q8_linear(
+            raw.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads()
+        )
+    elif x.shape[0]:
         rc = lib.bevy_q4_linear(
             raw.data_ptr(),
             qtype == QType.Q4_1,

@@ -406,7 +406,7 @@ def test_grouped_experts_match_plain_generation(
     assert ran
     if policy == "bevy":  # a group carried one-token riders: their products came back apart
         assert any(
-            0 < args[4] < len(args[2]) and all(r.n == 1 for r in args[2][args[4] :]) for args in ran
+            0 < args[3] < len(args[2]) and all(r.n == 1 for r in args[2][args[3] :]) for args in ran
         )
     for i, (tokens, logits) in enumerate(references[model_name]):
         rid = f"r{i}"

@@ -253,11 +253,11 @@ def test_q8_linear_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
     n = 291
     raw = _raw(QType.Q8_0, n, HIDDEN, seed=rows)
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
-    got = native.linear_q8(raw, (n, HIDDEN), x)
+    got = native.linear(raw, QType.Q8_0, (n, HIDDEN), x)
     ref = F.linear(x, dequantize(raw, QType.Q8_0, (n, HIDDEN)))
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     for lo, hi in ((0, 1), (rows - 1, rows), (1, rows)):
-        assert torch.equal(native.linear_q8(raw, (n, HIDDEN), x[lo:hi]), got[lo:hi])
+        assert torch.equal(native.linear(raw, QType.Q8_0, (n, HIDDEN), x[lo:hi]), got[lo:hi])
     # Bytes that do not hold such a weight, or rows of another width: not taken.
-    assert native.linear_q8(raw[:-1], (n, HIDDEN), x) is None
-    assert native.linear_q8(raw, (n, HIDDEN), torch.randn(1, HIDDEN + 32)) is None
+    assert native.linear(raw[:-1], QType.Q8_0, (n, HIDDEN), x) is None
+    assert native.linear(raw, QType.Q8_0, (n, HIDDEN), torch.randn(1, HIDDEN + 32)) is None
