@@ -140,6 +140,13 @@ def build(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> cty
     lib.bevy_q4_moe.restype = i32
     lib.bevy_q8_linear.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
     lib.bevy_q8_linear.restype = i32
+    f32 = ctypes.c_float
+    lib.bevy_attn_decode.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr]
+    lib.bevy_attn_decode.argtypes += [i32, i32, i32, i32, f32, ptr, i32]
+    lib.bevy_attn_decode.restype = i32
+    lib.bevy_attn_block.argtypes = [ptr, i32, i32, ptr, f32, ptr, i32, ptr, i32, ptr, ptr, i32]
+    lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, ptr, i32, i32, i32, f32, ptr, i32]
+    lib.bevy_attn_block.restype = i32
     return lib
 
 
@@ -346,3 +353,187 @@ def moe(
         if rc:
             raise MemoryError("native Q4 MoE: out of memory")
     return y, parts
+
+
+# ``attention``: the most query heads per kv head the kernel takes (``ATT_MAX_REP``).
+ATTN_MAX_REP = 16
+
+
+def _heads_ok(t: torch.Tensor, rows: int, heads: int, dh: int) -> bool:
+    """t [rows, heads, dh] float32 on the CPU, each row's heads side by side."""
+    return (
+        t.dim() == 3
+        and tuple(t.shape) == (rows, heads, dh)
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.stride(2) == 1
+        and t.stride(1) == dh
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    pos: list[int],
+    scale: float,
+) -> torch.Tensor | None:
+    """Decoding attention for T sequences with one new token each, in one call.
+
+    q [T, H, dh] (RoPE applied), k, v [T, G, dh] the new keys and values; ``caches[r]``
+    = (K, V) [G, cap, dh] float32 buffers of sequence r, with ``pos[r]`` < cap, holding
+    its keys and values at positions before ``pos[r]``. Writes row r's key and value at
+    ``pos[r]``, then returns out [T, H * dh]: per head, softmax(q . K[:pos+1] * scale)
+    V[:pos+1], query head h reading kv head h // (H / G). Each row is computed on its own,
+    in chunks of positions merged in order: its result does not depend on its batch-mates
+    or on the number of threads. None where the kernels are unavailable or do not take
+    these arguments (the caller's buffers are then untouched)."""
+    lib = library()
+    if lib is None or q.dim() != 3 or k.dim() != 3:
+        return None
+    (T, H, dh), G = q.shape, k.shape[1]
+    if not (
+        _caches_ok(caches, pos, T, H, G, dh)
+        and _heads_ok(q, T, H, dh)
+        and _heads_ok(k, T, G, dh)
+        and _heads_ok(v, T, G, dh)
+    ):
+        return None
+    out = torch.empty(T, H * dh, dtype=torch.float32)
+    if T:
+        rc = lib.bevy_attn_decode(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            *_cache_args(caches, pos),
+            T,
+            H,
+            G,
+            dh,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise MemoryError("native attention: out of memory")
+    return out
+
+
+def _caches_ok(caches: list, pos: list[int], T: int, H: int, G: int, dh: int) -> bool:
+    """Head counts and widths the attention kernel takes, and for each of T rows a cache
+    (K, V) [G, cap, dh] of float32 CPU buffers with room at its position; no two rows
+    writing one sequence's cache."""
+    if (
+        G == 0
+        or H % G
+        or H // G > ATTN_MAX_REP
+        or dh % 16
+        or dh > 256
+        or len(caches) != T
+        or len(pos) != T
+    ):
+        return False
+    for (kb, vb), p in zip(caches, pos, strict=True):
+        if not (
+            kb.dim() == 3
+            and kb.shape[0] == G
+            and kb.shape[2] == dh
+            and 0 <= p < kb.shape[1]
+            and vb.shape == kb.shape
+            and kb.dtype == vb.dtype == torch.float32
+            and kb.device.type == vb.device.type == "cpu"
+            and kb.is_contiguous()
+            and vb.is_contiguous()
+        ):
+            return False
+    return len({kb.data_ptr() for kb, _ in caches}) == T
+
+
+def _cache_args(caches: list, pos: list[int]) -> tuple:
+    """The kernels' kbuf, vbuf, caps and pos arrays."""
+    u64, i32 = ctypes.c_uint64 * len(caches), ctypes.c_int * len(caches)
+    return (
+        u64(*(kb.data_ptr() for kb, _ in caches)),
+        u64(*(vb.data_ptr() for _, vb in caches)),
+        i32(*(kb.shape[1] for kb, _ in caches)),
+        i32(*pos),
+    )
+
+
+# The attention block's weight types: the kernels' codes.
+_BLOCK_CODES = {QType.Q4_0: 0, QType.Q4_1: 1, QType.Q8_0: 2}
+
+
+def attention_block(
+    h: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    qkv: tuple[torch.Tensor, QType],
+    o: tuple[torch.Tensor, QType],
+    rope: tuple[torch.Tensor, torch.Tensor, bool],
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    pos: list[int],
+    heads: tuple[int, int, int],
+) -> torch.Tensor | None:
+    """A decoding step's attention block in one call, for T sequences with one new token
+    each: h + attention(rms_norm(h) * norm_w) @ Wo.T [T, D].
+
+    ``qkv`` = (blocks, type) of q, k and v's weights stacked [(H + 2G) * dh, D], ``o`` of
+    the output projection [D, H * dh] (Q4_0, Q4_1 or Q8_0, no biases); ``rope`` = (cos,
+    sin) tables [P, dh / 2] by position and whether adjacent pairs rotate (GGUF llama) or
+    halves; ``heads`` = (H, G, dh). Writes each row's key and value at its position as
+    ``attention`` does, with which it shares the attention itself. Each row is computed on
+    its own. None where the kernels are unavailable or do not take these arguments."""
+    lib = library()
+    (H, G, dh), (cos, sin, interleaved) = heads, rope
+    if lib is None or h.dim() != 2 or not _rows_ok(h, h.shape[1]):
+        return None
+    T, D = h.shape
+    (wqkv, tq), (wo, to) = qkv, o
+    if not (
+        _weight_ok(wqkv, _LINEAR_BLOCK_BYTES.get(tq), (H + 2 * G) * dh, D)
+        and _weight_ok(wo, _LINEAR_BLOCK_BYTES.get(to), D, H * dh)
+        and _caches_ok(caches, pos, T, H, G, dh)
+        and norm_w.shape == (D,)
+        and norm_w.dtype == torch.float32
+        and norm_w.is_contiguous()
+        and all(
+            t.dtype == torch.float32
+            and t.is_contiguous()
+            and t.dim() == 2
+            and t.shape[1] == dh // 2
+            and t.shape[0] > max(pos, default=0)
+            for t in (cos, sin)
+        )
+    ):
+        return None
+    out = torch.empty(T, D, dtype=torch.float32)
+    if T:
+        rc = lib.bevy_attn_block(
+            h.data_ptr(),
+            T,
+            D,
+            norm_w.data_ptr(),
+            eps,
+            wqkv.data_ptr(),
+            _BLOCK_CODES[tq],
+            wo.data_ptr(),
+            _BLOCK_CODES[to],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            interleaved,
+            *_cache_args(caches, pos),
+            H,
+            G,
+            dh,
+            dh**-0.5,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise MemoryError("native attention block: out of memory")
+    return out

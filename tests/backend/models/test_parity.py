@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from backend.formats import native
 from backend.formats.gguf_export import write_gguf
 from backend.formats.quants import QType
 from backend.models import transformer as transformer_mod
@@ -103,11 +104,18 @@ def test_gguf_quantized_matches_oracle_dequantizer(
     model = load_model(path)
     assert model.quant == qtype.name
     calls = spy(monkeypatch, transformer_mod, "dense_linear")
+    blocks = spy(monkeypatch, native, "attention_block")
     _, ours = greedy_logits(model, PROMPT, steps=8)
     ran = {(w.qtype, out is not None) for (w, _), out in calls}
-    # Decoding went through the compiled head, and the Q4 attention kernels for Q4_0.
+    whole = any(out is not None for _, out in blocks)
+    # Decoding went through the compiled head, and for Q4_0 attention through the native
+    # attention block (families without q/k norms or biases, where the kernels build) or
+    # the Q4 kernels of its projections.
     assert (QType.F32, True) in ran
-    assert ((QType.Q4_0, True) in ran) == (qtype == QType.Q4_0)
+    assert ((QType.Q4_0, True) in ran or whole) == (qtype == QType.Q4_0)
+    c = model.config
+    if qtype == QType.Q4_0 and native.available() and not (c.qk_norm or c.attn_bias):
+        assert whole
     # The same file, every weight dequantized by the gguf package's numpy code instead,
     # and every product by float32 BLAS.
     model.transformer.fused = {}
