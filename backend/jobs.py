@@ -112,14 +112,13 @@ class JobRunner:
                 return out
         return self.t.expert_mlp(self.expert(layer, e), x)
 
-    def enter(self, group: Sequence[Request], layer: int, h: torch.Tensor) -> None:
-        """After attention(layer): each request's MoE input and routing for ``layer``."""
-        t = self.t
-        x = t.ffn_input(layer, h)
-        sparse = t.config.sparse_layers[layer]
-        ids = w = None
-        if sparse:
-            ids, w = t.route(layer, x)  # [T, K]
+    def enter(
+        self, group: Sequence[Request], layer: int, seqs: Sequence[SeqSlice], h: torch.Tensor
+    ) -> None:
+        """Attention(layer) on the group's rows h, then each request's MoE input and
+        routing for ``layer`` (``Transformer.attention_route``)."""
+        h, x, ids, w = self.t.attention_route(layer, h, seqs)  # ids, w [T, K]
+        sparse = ids is not None
         row = 0
         for r in group:
             r.layer, r.h, r.x = layer, h[row : row + r.n], x[row : row + r.n]
@@ -138,8 +137,7 @@ class JobRunner:
         """Embed new tokens (a prompt, or one sampled token) and run attention + router of layer 0."""
         t = self.t
         h = t.embed(torch.tensor([i for ids in token_ids for i in ids], device=t.device))
-        seqs = [SeqSlice(r.kv, r.start, r.n) for r in group]
-        self.enter(group, 0, t.attention_block(0, h, seqs))
+        self.enter(group, 0, [SeqSlice(r.kv, r.start, r.n) for r in group], h)
 
     @torch.inference_mode()
     def run(
@@ -165,8 +163,7 @@ class JobRunner:
             return [], None
         h = torch.cat(outs)
         if layer + 1 < t.config.n_layers:
-            seqs = [SeqSlice(r.kv, r.start, r.n) for r in done]
-            self.enter(done, layer + 1, t.attention_block(layer + 1, h, seqs))
+            self.enter(done, layer + 1, [SeqSlice(r.kv, r.start, r.n) for r in done], h)
             return done, None
         ends = torch.tensor([r.n for r in done], device=h.device).cumsum(0) - 1
         return done, t.logits(h[ends])

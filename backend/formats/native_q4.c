@@ -512,18 +512,18 @@ static void attn_chunk(const float *q, int rep, int dh, const float *K, const fl
 }
 
 /* Attention of T sequences' new tokens (one each), heads grouped over G kv heads (H / G
-   query heads each; callers check H / G <= ATT_MAX_REP and dh % VW == 0 for both builds,
-   dh % 16 == 0).
+   query heads each, at most ATT_MAX_REP; dh a multiple of 16 up to 256).
 
    Row r: queries q + r * ldq [H, dh] (RoPE applied), its new key and value
    k + r * ldk, v + r * ldv [G, dh], its cache kbuf[r], vbuf[r] [G, caps[r], dh] (float32,
    capacity caps[r] > pos[r]). The new key and value are written at position pos[r], then
    out [T, H * dh] = softmax(q . K[0..pos] * scale) V per head. Work items are (row, kv
    head, chunk of ATT_CHUNK positions), merged per head in position order. On `threads`
-   threads; 0 on success, -1 if out of memory. */
+   threads; 0 on success, -1 if out of memory, -2 for head counts or widths it does not take. */
 int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const float *v, int ldv,
                      const uint64_t *kbuf, const uint64_t *vbuf, const int *caps, const int *pos,
                      int T, int H, int G, int dh, float scale, float *out, int threads) {
+    if (G <= 0 || H % G || H / G > ATT_MAX_REP || dh % 16 || dh > 256) return -2;
     const int rep = H / G;
     int *first = malloc(sizeof(int) * (size_t)(T + 1));
     if (!first) return -1;
@@ -599,28 +599,34 @@ static void rope_heads(float *x, int nh, int dh, const float *cos, const float *
     }
 }
 
+/* x [D] = rms_norm(h [D]) * w: h * (1 / sqrt(mean(h^2) + eps)), then times w. */
+static void rms_row(const float *h, const float *w, float eps, int D, float *x) {
+    float ss = 0.f;
+    for (int i = 0; i < D; i++) ss += h[i] * h[i];
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    for (int i = 0; i < D; i++) x[i] = w[i] * (h[i] * inv);
+}
+
 /* A decoding step's attention block for T sequences with one new token each:
    out [T, D] = h + attn(rms_norm(h) * norm_w) @ Wo.T, where q, k, v = x @ Wqkv.T (q, k, v
    stacked: [(H + 2G) * dh, D]), q and k rotated at position pos[r] (cos, sin: tables
    [*, dh / 2] by position), the new key and value written to the row's cache, and the
    attention as in bevy_attn_decode. Weights in blocks of qkv_type / o_type (linear_any).
-   0 on success, -1 if out of memory. */
+   Then, if ffn_w is given, the MoE's input xout [T, D] = rms_norm(out) * ffn_w, and if
+   router [E, D] (float32, D a multiple of 16) is given too, its logits [T, E] = xout @
+   router.T, each a dot product in a fixed order. 0 on success, -1 if out of memory, -2 as
+   bevy_attn_decode. */
 int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps,
                     const uint8_t *wqkv, int qkv_type, const uint8_t *wo, int o_type,
                     const float *cos, const float *sin, int interleaved, const uint64_t *kbuf,
                     const uint64_t *vbuf, const int *caps, const int *pos, int H, int G, int dh,
-                    float scale, float *out, int threads) {
+                    float scale, float *out, const float *ffn_w, float *xout, const float *router,
+                    int E, float *logits, int threads) {
     const int width = (H + 2 * G) * dh, half = dh / 2;
     float *x = malloc(sizeof(float) * ((size_t)T * D + (size_t)T * width + (size_t)T * H * dh) + 1);
     if (!x) return -1;
     float *qkv = x + (size_t)T * D, *att = qkv + (size_t)T * width;
-    for (int r = 0; r < T; r++) {
-        const float *hr = h + (size_t)r * D;
-        float ss = 0.f;
-        for (int i = 0; i < D; i++) ss += hr[i] * hr[i];
-        const float inv = 1.f / sqrtf(ss / (float)D + eps);
-        for (int i = 0; i < D; i++) x[(size_t)r * D + i] = norm_w[i] * (hr[i] * inv);
-    }
+    for (int r = 0; r < T; r++) rms_row(h + (size_t)r * D, norm_w, eps, D, x + (size_t)r * D);
     int rc = linear_any(wqkv, qkv_type, x, qkv, T, width, D, threads);
     for (int r = 0; r < T && !rc; r++)
         rope_heads(qkv + (size_t)r * width, H + G, dh, cos + (size_t)pos[r] * half,
@@ -631,6 +637,17 @@ int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps
     if (!rc) rc = linear_any(wo, o_type, att, out, T, D, H * dh, threads);
     if (!rc)
         for (size_t i = 0; i < (size_t)T * D; i++) out[i] = h[i] + out[i];
+    if (!rc && ffn_w)
+        for (int r = 0; r < T; r++) {
+            float *xr = xout + (size_t)r * D;
+            rms_row(out + (size_t)r * D, ffn_w, eps, D, xr);
+            for (int e = 0; router && e < E; e++) {
+                const float *we = router + (size_t)e * D;
+                acc_t a = acc_zero();
+                for (int i = 0; i < D; i += VW) a = v_fmadd(v_load(xr + i), v_load(we + i), a);
+                logits[(size_t)r * E + e] = acc_sum(a);
+            }
+        }
     free(x);
     return rc;
 }

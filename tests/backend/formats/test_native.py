@@ -312,45 +312,48 @@ def test_attention_equals_softmax_reference(lib, monkeypatch, heads, kv_heads, d
         assert torch.equal(alone[0], got[r])
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
+        two = native.attention(q, k, v, caches, lens, scale)
         torch.set_num_threads(1)
-        assert torch.equal(native.attention(q, k, v, caches, lens, scale), got)
+        assert torch.equal(native.attention(q, k, v, caches, lens, scale), two)
     finally:
         torch.set_num_threads(threads)
 
 
 def test_attention_refuses_what_it_does_not_take():
     """Head widths off the kernel's vectors, too many query heads per kv head, a position
-    past the buffer, one cache for two rows, other dtypes: None, buffers untouched."""
+    past the buffer, one cache for two rows, values sharing the keys' buffer, other
+    dtypes: None, buffers untouched."""
+
+    def bufs(dh: int = 64) -> list:
+        return [(torch.zeros(2, 8, dh), torch.zeros(2, 8, dh)) for _ in range(2)]
+
     q, k, v = torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64)
-    caches = [(torch.zeros(2, 8, 64), torch.zeros(2, 8, 64)) for _ in range(2)]
-    assert native.attention(q, k, v, caches, [3, 3], 0.125) is not None
-    zeros = [(torch.zeros(2, 8, 64), torch.zeros(2, 8, 64)) for _ in range(2)]
+    assert native.attention(q, k, v, bufs(), [3, 3], 0.125) is not None
+    zeros, narrow = bufs(), bufs(40)
+    q40, k40, v40 = torch.randn(2, 4, 40), torch.randn(2, 2, 40), torch.randn(2, 2, 40)
+    shared = torch.zeros(2, 8, 64)
     cases = [
-        (
-            q[..., :40],
-            k[..., :40],
-            v[..., :40],
-            [(c[..., :40].contiguous(),) * 2 for c, _ in zeros],
-            [3, 3],
-        ),
+        (q40, k40, v40, narrow, [3, 3]),  # 40 wide: not a multiple of 16
         (torch.randn(2, 34, 64), k, v, zeros, [3, 3]),  # 17 query heads per kv head
         (q, k, v, zeros, [3, 8]),  # position 8 of an 8-position buffer
         (q, k, v, [zeros[0], zeros[0]], [3, 4]),  # two rows, one sequence
+        (q, k, v, [(shared, shared), zeros[1]], [3, 3]),  # values over the keys
         (q.double(), k.double(), v.double(), zeros, [3, 3]),
         (q, k, v, zeros[:1], [3, 3]),
     ]
     for args in cases:
         assert native.attention(*args, 0.125) is None
-    assert all(not c.any() for pair in zeros for c in pair)
+    assert all(not c.any() for pair in [*zeros, *narrow] for c in pair) and not shared.any()
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize(("tqkv", "to"), [(QType.Q4_1, QType.Q4_0), (QType.Q4_0, QType.Q8_0)])
 def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to):
     """The whole decoding block (norm, q/k/v, RoPE of adjacent pairs or of halves, KV
-    write, attention, output projection, residual) against the same steps in torch on
-    dequantized weights, float64 attention: within 1e-4. Each row alone is the same bits
-    as in its batch."""
+    write, attention, output projection, residual, then the FFN's norm and router logits)
+    against the same steps in torch on dequantized weights, float64 attention: within
+    1e-4. Each row alone is the same bits as in its batch."""
     monkeypatch.setattr(native, "_lib", lib)
     H, G, dh, D = 6, 2, 32, 96
     gen = torch.Generator().manual_seed(7)
@@ -367,7 +370,10 @@ def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to)
     before = [(kb.clone(), vb.clone()) for kb, vb in caches]
     h = torch.randn(len(pos), D, generator=gen)
     args = ((wqkv, tqkv), (wo, to), (cos, sin, interleaved))
-    got = native.attention_block(h, norm_w, 1e-5, *args, caches, pos, (H, G, dh))
+    ffn = (torch.rand(D, generator=gen) + 0.5, torch.randn(5, D, generator=gen))
+    got, x_got, logits = native.attention_block(
+        h, norm_w, 1e-5, *args, caches, pos, (H, G, dh), ffn
+    )
 
     x = norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
     qkv = F.linear(x, dequantize(wqkv, tqkv, ((H + 2 * G) * dh, D)))
@@ -383,13 +389,25 @@ def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to)
     att = _attention_ref(q, before, pos, k, v, dh**-0.5).float()
     ref = h + F.linear(att, dequantize(wo, to, (D, H * dh)))
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    x_ref = ffn[0] * (got * torch.rsqrt(got.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert (x_got - x_ref).abs().max().item() <= 1e-5 * x_ref.abs().max().item()
+    assert (logits - x_got @ ffn[1].T).abs().max().item() <= 1e-5 * logits.abs().max().item()
     for r, p in enumerate(pos):
         assert (caches[r][0][:, p] - k[r]).abs().max().item() <= 1e-5
         assert (caches[r][1][:, p] - v[r]).abs().max().item() <= 1e-5
         alone = native.attention_block(
-            h[r : r + 1], norm_w, 1e-5, *args, [caches[r]], [p], (H, G, dh)
+            h[r : r + 1], norm_w, 1e-5, *args, [caches[r]], [p], (H, G, dh), ffn
         )
-        assert torch.equal(alone[0], got[r])
+        for a, b in zip(alone, (got, x_got, logits), strict=True):
+            assert torch.equal(a[0], b[r])
+    # Without the FFN's weights: the block alone, the same bits. A router the kernel does
+    # not take (float64): the norm still, no logits.
+    plain = native.attention_block(h, norm_w, 1e-5, *args, caches, pos, (H, G, dh))
+    assert torch.equal(plain[0], got) and plain[1:] == (None, None)
+    wide = native.attention_block(
+        h, norm_w, 1e-5, *args, caches, pos, (H, G, dh), (ffn[0], ffn[1].double())
+    )
+    assert torch.equal(wide[1], x_got) and wide[2] is None
     # A table too short for a position, or weights of another shape: not taken.
     short = (cos[:100], sin[:100], interleaved)
     assert (

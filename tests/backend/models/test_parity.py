@@ -116,6 +116,8 @@ def test_gguf_quantized_matches_oracle_dequantizer(
     c = model.config
     if qtype == QType.Q4_0 and native.available() and not (c.qk_norm or c.attn_bias):
         assert whole
+    elif c.qk_norm or c.attn_bias:
+        assert not whole  # the block has no q/k norms or biases: the ops below run them
     # The same file, every weight dequantized by the gguf package's numpy code instead,
     # and every product by float32 BLAS.
     model.transformer.fused = {}
@@ -128,3 +130,41 @@ def test_gguf_quantized_matches_oracle_dequantizer(
 
     _, ref = greedy_logits(model, PROMPT, steps=8, get_expert=oracle_expert)
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("max_len", [None, 70])
+def test_native_decoding_block_equals_the_ops(
+    tiny_dir: dict[str, Path], tmp_path: Path, monkeypatch, max_len: int | None
+) -> None:
+    """Decoding a Q4_0 llama past its cache's first 64 positions (the buffers grow, up to a
+    cap when the sequence has one) through the native attention block: the same tokens as
+    the torch ops on the same weights, logits within 1e-5. A batch holding one sequence
+    twice does not go to the kernels."""
+    model = load_model(write_gguf(load_model(tiny_dir["llama"]), tmp_path / "q.gguf", QType.Q4_0))
+    t, get = model.transformer, model.resident_experts().get
+
+    def decode() -> tuple[list[int], torch.Tensor]:
+        kv = KVCache(model.config.n_layers, max_len=max_len)
+        ids = [(7 * i) % 90 + 3 for i in range(60)]
+        out = [t.forward(torch.tensor(ids), [SeqSlice(kv, 0, len(ids))], get)[0]]
+        for _ in range(9):
+            ids.append(int(out[-1].argmax()))
+            out.append(t.forward(torch.tensor(ids[-1:]), [SeqSlice(kv, len(ids) - 1, 1)], get)[0])
+        if max_len is not None:
+            assert kv.k[0].shape[1] == max_len
+        return ids, torch.stack(out)
+
+    blocks = spy(monkeypatch, native, "attention_block")
+    ids, ours = decode()
+    assert sum(out is not None for _, out in blocks) == 9 * model.config.n_layers
+    monkeypatch.setattr(native, "attention_block", lambda *a: None)
+    monkeypatch.setattr(native, "attention", lambda *a: None)
+    ref_ids, ref = decode()
+    assert ids == ref_ids
+    assert (ours - ref).abs().max().item() <= 1e-5
+
+    kv = KVCache(model.config.n_layers)
+    t.forward(torch.tensor([3, 4, 5]), [SeqSlice(kv, 0, 3)], get)
+    seen = spy(monkeypatch, native, "attention"), spy(monkeypatch, native, "attention_block")
+    t.forward(torch.tensor([6, 7]), [SeqSlice(kv, 3, 1), SeqSlice(kv, 4, 1)], get)
+    assert seen == ([], [])
