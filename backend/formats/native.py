@@ -482,6 +482,9 @@ def _cache_args(caches: list, pos: list[int]) -> tuple:
     )
 
 
+# ``attention_block``: the largest router (experts x hidden) it computes the logits of.
+ROUTER_MAX = 1 << 17
+
 # The attention block's weight types: the kernels' codes.
 _BLOCK_CODES = {QType.Q4_0: 0, QType.Q4_1: 1, QType.Q8_0: 2}
 
@@ -517,7 +520,7 @@ def attention_block(
     ``attention`` does, with which it shares the attention itself. ``ffn`` = (the FFN's
     norm weight [D], a float32 router [E, D] or None): x [T, D] is then the block's output
     RMS-normed with it (eps as above) and logits [T, E] its router logits where a router
-    is given and D is a multiple of 16; else they are None. Each row is computed on its
+    is given, D is a multiple of 16 and E * D <= ``ROUTER_MAX``; else they are None. Each row is computed on its
     own. None where the kernels are unavailable or do not take these arguments."""
     lib = library()
     (H, G, dh), (cos, sin, interleaved) = heads, rope
@@ -527,7 +530,12 @@ def attention_block(
     (wqkv, tq), (wo, to) = qkv, o
     ffn_w, router = ffn if ffn is not None else (None, None)
     if router is not None and not (
-        D % 16 == 0
+        ffn_w is not None
+        and D % 16 == 0
+        # One thread, one dot product after another: for routers up to this size (the
+        # demo's is 32 x 576), where BLAS's threads would cost more than they save. By
+        # the model's shape only, so that a row's logits do not depend on its batch.
+        and router.numel() <= ROUTER_MAX
         and router.dim() == 2
         and router.shape[1] == D
         and router.dtype == torch.float32

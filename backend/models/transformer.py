@@ -1,9 +1,9 @@
 """The decoder all supported families share, split into the pieces the engine schedules.
 
-A layer is ``attention_block`` then, for sparse layers, ``ffn_input`` + ``route`` (the
-three as one, ``attention_route``) +
-``moe`` (routed experts, fetched one at a time) + ``shared_expert``; for dense layers
-``dense_mlp``. ``forward`` strings them together as the plain sequential reference.
+A layer is ``attention_block`` + ``ffn_input`` (+ ``route`` for sparse layers; all of them
+as one: ``attention_route``), then for sparse layers ``moe`` (routed experts, fetched one
+at a time) + ``shared_expert``, for dense layers ``dense_mlp``. ``forward`` strings them
+together as the plain sequential reference.
 
 Legend: T tokens in the batch, D hidden, H heads, G kv heads, Dh head dim,
 E experts, K top-k, I expert width, V vocab, S cached positions.
@@ -264,7 +264,11 @@ class Transformer:
         done = None
         if h.dtype == torch.float32 and self._decoding(h, seqs):
             done = self._decode_block(layer, h, seqs, ffn=True, router=sparse)
-        if done is None:
+        elif h.dtype == torch.float32 and len(seqs) > 1 and any(s.n == 1 for s in seqs):
+            mixed = self._route_mixed(layer, h, seqs, sparse)
+            if mixed is not None:
+                return mixed
+        if done is None:  # (it tries the native block again, and is refused again)
             h = self.attention_block(layer, h, seqs)
             x, logits = self.ffn_input(layer, h), None
         else:
@@ -273,6 +277,40 @@ class Transformer:
             return h, x, None, None
         ids, weights = self.route(layer, x, logits)
         return h, x, ids, weights
+
+    def _route_mixed(
+        self, layer: int, h: torch.Tensor, seqs: Sequence[SeqSlice], sparse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """``attention_route`` for a batch of decoding rows and prompts (a prompt's group
+        may take one-token riders): the decoding rows through the native block as if
+        alone, so that their results are the bits they get in any batch, the prompts
+        through the ops. None where the block does not take the decoding rows."""
+        if len({id(s.kv) for s in seqs}) != len(seqs):
+            return None
+        ones = [s for s in seqs if s.n == 1]
+        rows: tuple[list[int], list[int]] = ([], [])  # (decoding rows, prompt rows)
+        at = 0
+        for s in seqs:
+            rows[s.n != 1].extend(range(at, at + s.n))
+            at += s.n
+        done = self._decode_block(layer, h[rows[0]], ones, ffn=True, router=sparse)
+        if done is None:
+            return None
+        h1, x1, logits = done
+        h2 = self.attention_block(layer, h[rows[1]], [s for s in seqs if s.n != 1])
+        x2 = self.ffn_input(layer, h2)
+        out_h, out_x = torch.empty_like(h), torch.empty_like(h)
+        ids = weights = None
+        for part, hh, xx, lg in ((rows[0], h1, x1, logits), (rows[1], h2, x2, None)):
+            idx = torch.tensor(part, device=h.device)
+            out_h[idx], out_x[idx] = hh, xx
+            if sparse:
+                i, w = self.route(layer, xx, lg)
+                if ids is None:
+                    ids = i.new_empty(h.shape[0], i.shape[1])
+                    weights = w.new_empty(h.shape[0], w.shape[1])
+                ids[idx], weights[idx] = i, w
+        return out_h, out_x, ids, weights
 
     @staticmethod
     def _decoding(h: torch.Tensor, seqs: Sequence[SeqSlice]) -> bool:
@@ -390,7 +428,7 @@ class Transformer:
         self,
         layer: int,
         h: torch.Tensor,
-        routed: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        routed: Sequence[torch.Tensor | None],
         get_expert: GetExpert,
     ) -> torch.Tensor:
         """h + the FFN of x, ``routed`` = (x, ids, weights) from ``attention_route``."""

@@ -283,28 +283,37 @@ def test_engine_thread_keeps_its_compute_threads(models) -> None:
 
 @pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "qwen3-hf"])
 def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, model_name) -> None:
-    """Requests waiting at the group's layer ride on its experts: their rows join products
-    the group runs anyway (no product of its own for a rider's expert), and the logits
-    are the same (each rider sums its experts in the same order as a whole job). (How many
-    products a whole run saves depends on how groups form, which follows fetch timing.)"""
+    """Requests waiting at the group's layer ride on its experts: their rows join the
+    products the group runs anyway (each expert's product once, on the group's and the
+    riders' routes to it), and the logits are the same (each rider sums its experts in the
+    same order as a whole job). (How many products a whole run saves depends on how
+    groups form, which follows fetch timing.)"""
+    from collections import Counter
+
     from backend.jobs import JobRunner
     from tests.backend.spy import spy
+
+    def routes(r, experts) -> Counter:
+        return Counter({e: int((r.route_ids == e).sum()) for e in experts})
 
     results = {}
     for ride in (True, False):
         monkeypatch.undo()
         mlps = spy(monkeypatch, JobRunner, "mlp")
-        shared = []  # per run with a group and riders: (group's experts, riders', computed)
+        shared = []  # per run with a group and riders: (rows expected, products run)
         real_run = JobRunner.run
 
         def run(self, group, riders=(), real_run=real_run, mlps=mlps, shared=shared):
             # (a split run is riders alone: ``Engine._split``)
-            claimed = {e for r in group for _, e in r.claim}
-            ridden = set().union(*(s for _, s in riders))
+            expected = Counter()
+            for r in group:
+                expected += routes(r, {e for _, e in r.claim})
+            for r, s in riders:
+                expected += routes(r, s)
             start = len(mlps)
             out = real_run(self, group, riders)
             if group and riders:
-                shared.append((claimed, ridden, {args[2] for args, _ in mlps[start:]}))
+                shared.append((expected, [(a[2], a[3].shape[0]) for a, _ in mlps[start:]]))
             return out
 
         monkeypatch.setattr(JobRunner, "run", run)
@@ -313,8 +322,9 @@ def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, mod
         results[ride] = (out, shared)
     (out, shared), (out0, shared0) = results[True], results[False]
     assert shared and not shared0
-    for claimed, ridden, computed in shared:
-        assert ridden and ridden <= claimed and computed == claimed
+    for expected, products in shared:
+        assert len(products) == len({e for e, _ in products})  # one product per expert
+        assert Counter(dict(products)) == expected
     assert_same_results(out, out0)
 
 

@@ -168,3 +168,33 @@ def test_native_decoding_block_equals_the_ops(
     seen = spy(monkeypatch, native, "attention"), spy(monkeypatch, native, "attention_block")
     t.forward(torch.tensor([6, 7]), [SeqSlice(kv, 3, 1), SeqSlice(kv, 4, 1)], get)
     assert seen == ([], [])
+
+
+def test_decoding_row_beside_a_prompt_gets_its_bits_alone(
+    tiny_dir: dict[str, Path], tmp_path: Path
+) -> None:
+    """A decoding row batched with a prompt (a prompt's group takes one-token riders) goes
+    through the native block as if alone: its hidden state, FFN input and routing are the
+    same bits as alone; the prompt's within 1e-5 of running it alone through the ops."""
+    if not native.available():
+        pytest.skip("no native kernels here (x86-64 with AVX2 and a C compiler)")
+    for family in ("mixtral", "llama"):  # sparse and dense layers
+        model = load_model(
+            write_gguf(load_model(tiny_dir[family]), tmp_path / f"{family}.gguf", QType.Q4_0)
+        )
+        t, get = model.transformer, model.resident_experts().get
+        a, b = KVCache(model.config.n_layers), KVCache(model.config.n_layers)
+        t.forward(torch.tensor(PROMPT), [SeqSlice(a, 0, len(PROMPT))], get)
+        t.forward(torch.tensor(PROMPT[:3]), [SeqSlice(b, 0, 3)], get)
+        n = len(PROMPT)
+        h = t.embed(torch.tensor([11, *PROMPT[3:]]))
+        with torch.inference_mode():
+            mixed = t.attention_route(0, h, [SeqSlice(a, n, 1), SeqSlice(b, 3, n - 3)])
+            alone = t.attention_route(0, h[:1], [SeqSlice(a, n, 1)])
+            prompt = t.attention_route(0, h[1:], [SeqSlice(b, 3, n - 3)])
+        for m, one, rest in zip(mixed, alone, prompt, strict=True):
+            if m is None:  # a dense layer: no routing
+                assert one is None and rest is None
+                continue
+            assert torch.equal(m[:1], one)
+            assert (m[1:].double() - rest.double()).abs().max().item() <= 1e-5
