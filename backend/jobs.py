@@ -118,18 +118,19 @@ class JobRunner:
         """Attention(layer) on the group's rows h, then each request's MoE input and
         routing for ``layer`` (``Transformer.attention_route``)."""
         h, x, ids, w = self.t.attention_route(layer, h, seqs)  # ids, w [T, K]
-        sparse = ids is not None
+        listed = None if ids is None else ids.tolist()
         row = 0
         for r in group:
-            r.layer, r.h, r.x = layer, h[row : row + r.n], x[row : row + r.n]
+            end = row + r.n
+            r.layer, r.h, r.x = layer, h[row:end], x[row:end]
             r.acc, r.done, r.parts, r.claim, r.claimed = None, set(), {}, [], False
-            if sparse:
-                r.route_ids, r.route_w = ids[row : row + r.n], w[row : row + r.n]
-                r.needed = tuple(sorted(set(r.route_ids.flatten().tolist())))
+            if listed is not None:
+                r.route_ids, r.route_w, r.route_list = ids[row:end], w[row:end], listed[row:end]
+                r.needed = tuple(sorted({e for es in r.route_list for e in es}))
             else:
                 r.route_ids = r.route_w = None
-                r.needed = ()
-            row += r.n
+                r.route_list, r.needed = [], ()
+            row = end
             self.on_route(r)
 
     @torch.inference_mode()
@@ -152,16 +153,20 @@ class JobRunner:
         t, layer = self.t, (group[0] if group else riders[0][0]).layer
         if t.config.sparse_layers[layer]:
             done = self._moe(layer, group, riders)
-            outs = []
-            for r in done:
-                shared = t.shared_expert(layer, r.x)
-                outs.append(r.h + (r.acc if shared is None else r.acc + shared))
+            if not done:
+                return [], None
+            if t.config.shared_expert_size:
+                outs = []
+                for r in done:  # each request's own: its bits do not depend on the batch
+                    outs.append(r.h + (r.acc + t.shared_expert(layer, r.x)))
+                h = torch.cat(outs)
+            else:
+                h = _stacked([r.h for r in done]) + _stacked([r.acc for r in done])
         else:
             done = list(group)
-            outs = [r.h + t.dense_mlp(layer, r.x) for r in group]
-        if not done:
-            return [], None
-        h = torch.cat(outs)
+            if not done:
+                return [], None
+            h = torch.cat([r.h + t.dense_mlp(layer, r.x) for r in group])
         if layer + 1 < t.config.n_layers:
             self.enter(done, layer + 1, [SeqSlice(r.kv, r.start, r.n) for r in done], h)
             return done, None
@@ -189,11 +194,7 @@ class JobRunner:
         members = [members[i] for i in first]
         subsets = [subsets[i] for i in first]
         n_whole = sum(whole)
-        if len(members) == 1:
-            x, w = members[0].x, members[0].route_w
-        else:
-            x = torch.cat([r.x for r in members])
-            w = torch.cat([r.route_w for r in members])
+        x, w = _stacked([r.x for r in members]), _stacked([r.route_w for r in members])
         y = None
         if all(r.n == 1 for r in members[n_whole:]):
             y = self._moe_native(layer, members, subsets, n_whole, x, w)
@@ -378,16 +379,12 @@ class JobRunner:
         rows (those take BLAS there), no kernels."""
         if not self._native_moe:
             return None
-        ids = (
-            members[0].route_ids if len(members) == 1 else torch.cat([r.route_ids for r in members])
-        )
-        k = ids.shape[1]
-        rows = iter(ids.tolist())
+        k = w.shape[1]
         by_expert: dict[int, list[int]] = {}
         i = 0  # route i is row i // k: rows ascending
         for m, (r, s) in enumerate(zip(members, subsets, strict=True)):
-            for _ in range(r.n):
-                for e in next(rows):
+            for es in r.route_list:
+                for e in es:
                     if m < n_whole or e in s:
                         by_expert.setdefault(e, []).append(i)
                     i += 1
@@ -466,3 +463,27 @@ class JobRunner:
                 r = one.get(row)
                 if r is not None:
                     r.parts[expert_of[j]] = out[j : j + 1].clone()  # not a view of all of out
+
+
+def _stacked(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``: where they are consecutive rows of one tensor, as ``enter``
+    leaves a group's, a view of those rows instead of a copy (callers only read it)."""
+    if len(parts) == 1:
+        return parts[0]
+    base = parts[0]._base
+    if base is not None and base.dim() == 2 and base.is_contiguous():
+        width, first = base.shape[1], parts[0].storage_offset()
+        at = first
+        for p in parts:
+            if (
+                p._base is not base
+                or p.dim() != 2
+                or p.shape[1] != width
+                or p.storage_offset() != at
+                or not p.is_contiguous()
+            ):
+                return torch.cat(parts)
+            at += p.shape[0] * width
+        start = (first - base.storage_offset()) // width
+        return base[start : start + (at - first) // width]
+    return torch.cat(parts)

@@ -46,6 +46,7 @@ class Request:
     x: torch.Tensor | None = None  # MoE input [n, D]
     route_ids: torch.Tensor | None = None  # [n, K]
     route_w: torch.Tensor | None = None  # [n, K]
+    route_list: list[list[int]] = field(default_factory=list)  # route_ids as lists
     needed: tuple[int, ...] = ()  # experts this layer's MoE uses (unique, sorted)
     claim: list[tuple[int, int]] = field(default_factory=list)  # keys this job has pinned
     claimed: bool = False  # holds pins on ``claim`` (resident or loading)

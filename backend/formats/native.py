@@ -154,7 +154,7 @@ def build(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> cty
     lib.bevy_attn_decode.restype = i32
     lib.bevy_attn_block.argtypes = [ptr, i32, i32, ptr, f32, ptr, i32, ptr, i32, ptr, ptr, i32]
     lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, ptr, i32, i32, i32, f32, ptr]
-    lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, i32, ptr, i32]
+    lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, i32, ptr, i32, i32, ptr, ptr, i32]
     lib.bevy_attn_block.restype = i32
     return lib
 
@@ -498,57 +498,88 @@ def _vector_ok(t: torch.Tensor, D: int) -> bool:
     )
 
 
-def attention_block(
-    h: torch.Tensor,
-    norm_w: torch.Tensor,
-    eps: float,
-    qkv: tuple[torch.Tensor, QType],
-    o: tuple[torch.Tensor, QType],
-    rope: tuple[torch.Tensor, torch.Tensor, bool],
-    caches: list[tuple[torch.Tensor, torch.Tensor]],
-    pos: list[int],
-    heads: tuple[int, int, int],
-    ffn: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-    """A decoding step's attention block in one call, for T sequences with one new token
-    each: (h + attention(rms_norm(h) * norm_w) @ Wo.T [T, D], x, logits).
+class BlockWeights:
+    """A layer's weights and shapes for ``attention_block``, checked once: ``ok`` says
+    whether the kernels take them.
 
     ``qkv`` = (blocks, type) of q, k and v's weights stacked [(H + 2G) * dh, D], ``o`` of
-    the output projection [D, H * dh] (Q4_0, Q4_1 or Q8_0, no biases); ``rope`` = (cos,
-    sin) tables [P, dh / 2] by position and whether adjacent pairs rotate (GGUF llama) or
-    halves; ``heads`` = (H, G, dh). Writes each row's key and value at its position as
-    ``attention`` does, with which it shares the attention itself. ``ffn`` = (the FFN's
-    norm weight [D], a float32 router [E, D] or None): x [T, D] is then the block's output
-    RMS-normed with it (eps as above) and logits [T, E] its router logits where a router
-    is given, D is a multiple of 16 and E * D <= ``ROUTER_MAX``; else they are None. Each row is computed on its
-    own. None where the kernels are unavailable or do not take these arguments."""
+    the output projection [D, H * dh] (Q4_0, Q4_1 or Q8_0, no biases); ``heads`` = (H, G,
+    dh); ``interleaved``: RoPE rotates adjacent pairs (GGUF llama), else halves. ``ffn`` =
+    (the FFN's norm weight [D], a float32 router [E, D] or None), ``topk`` = (k, whether
+    the k weights are normalized to sum to 1) or None: see ``attention_block``. The router
+    is dropped (``router`` None) unless D is a multiple of 16 and E * D <= ``ROUTER_MAX``."""
+
+    def __init__(
+        self,
+        norm_w: torch.Tensor,
+        eps: float,
+        qkv: tuple[torch.Tensor, QType],
+        o: tuple[torch.Tensor, QType],
+        heads: tuple[int, int, int],
+        interleaved: bool,
+        ffn: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        topk: tuple[int, bool] | None = None,
+    ) -> None:
+        (H, G, dh), (wqkv, tq), (wo, to) = heads, qkv, o
+        ffn_w, router = ffn if ffn is not None else (None, None)
+        D = norm_w.shape[0] if norm_w.dim() == 1 else -1
+        if router is not None and not (
+            ffn_w is not None
+            and D % 16 == 0
+            # One thread, one dot product after another: for routers up to this size (the
+            # demo's is 32 x 576), where BLAS's threads would cost more than they save. By
+            # the model's shape only, so that a row's logits do not depend on its batch.
+            and router.numel() <= ROUTER_MAX
+            and router.dim() == 2
+            and router.shape[1] == D
+            and router.dtype == torch.float32
+            and router.device.type == "cpu"
+            and router.is_contiguous()
+        ):
+            router = None
+        if router is None or topk is None or not 0 < topk[0] <= router.shape[0]:
+            topk = None
+        self.norm_w, self.eps, self.heads, self.interleaved = norm_w, eps, heads, interleaved
+        self.wqkv, self.wo, self.ffn_w, self.router, self.topk = wqkv, wo, ffn_w, router, topk
+        self.D, self.E = D, 0 if router is None else router.shape[0]
+        self.codes = (_BLOCK_CODES.get(tq), _BLOCK_CODES.get(to))
+        self.ok = (
+            D > 0
+            and G > 0
+            and _weight_ok(wqkv, _LINEAR_BLOCK_BYTES.get(tq), (H + 2 * G) * dh, D)
+            and _weight_ok(wo, _LINEAR_BLOCK_BYTES.get(to), D, H * dh)
+            and _vector_ok(norm_w, D)
+            and (ffn_w is None or _vector_ok(ffn_w, D))
+        )
+
+
+def attention_block(
+    h: torch.Tensor,
+    blk: BlockWeights,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    pos: list[int],
+) -> tuple[torch.Tensor, ...] | None:
+    """A decoding step's attention block in one call, for T sequences with one new token
+    each: (h + attention(rms_norm(h) * norm_w) @ Wo.T [T, D], x, logits, ids, weights).
+
+    ``blk``: the layer's weights (``BlockWeights``); ``rope`` = (cos, sin) tables [P, dh /
+    2] by position. Writes each row's key and value at its position as ``attention`` does,
+    with which it shares the attention itself. With ``blk.ffn_w``, x [T, D] is the block's
+    output RMS-normed with it (eps as above), else None; with ``blk.router``, logits [T, E]
+    its router logits, else None; with ``blk.topk`` = (k, norm) too, ids [T, k] (int64)
+    and weights [T, k] its routing: the k largest logits (largest first; of equal ones,
+    the lower expert), weighted by the softmax over all E (divided by their sum if norm),
+    else None. Each row is computed on its own. None where the kernels are unavailable or
+    do not take these arguments."""
     lib = library()
-    (H, G, dh), (cos, sin, interleaved) = heads, rope
-    if lib is None or h.dim() != 2 or not _rows_ok(h, h.shape[1]):
+    (H, G, dh), (cos, sin) = blk.heads, rope
+    D = blk.D
+    if lib is None or not blk.ok or not _rows_ok(h, D):
         return None
-    T, D = h.shape
-    (wqkv, tq), (wo, to) = qkv, o
-    ffn_w, router = ffn if ffn is not None else (None, None)
-    if router is not None and not (
-        ffn_w is not None
-        and D % 16 == 0
-        # One thread, one dot product after another: for routers up to this size (the
-        # demo's is 32 x 576), where BLAS's threads would cost more than they save. By
-        # the model's shape only, so that a row's logits do not depend on its batch.
-        and router.numel() <= ROUTER_MAX
-        and router.dim() == 2
-        and router.shape[1] == D
-        and router.dtype == torch.float32
-        and router.device.type == "cpu"
-        and router.is_contiguous()
-    ):
-        router = None
+    T = h.shape[0]
     if not (
-        _weight_ok(wqkv, _LINEAR_BLOCK_BYTES.get(tq), (H + 2 * G) * dh, D)
-        and _weight_ok(wo, _LINEAR_BLOCK_BYTES.get(to), D, H * dh)
-        and _caches_ok(caches, pos, T, H, G, dh)
-        and _vector_ok(norm_w, D)
-        and (ffn_w is None or _vector_ok(ffn_w, D))
+        _caches_ok(caches, pos, T, H, G, dh)
         and all(
             t.dtype == torch.float32
             and t.device.type == "cpu"
@@ -561,35 +592,42 @@ def attention_block(
     ):
         return None
     out = torch.empty(T, D, dtype=torch.float32)
-    x = None if ffn_w is None else torch.empty(T, D, dtype=torch.float32)
-    E = 0 if router is None else router.shape[0]
+    x = None if blk.ffn_w is None else torch.empty(T, D, dtype=torch.float32)
+    E, router = blk.E, blk.router
     logits = None if router is None else torch.empty(T, E, dtype=torch.float32)
+    k, norm = blk.topk or (0, False)
+    ids = None if not k else torch.empty(T, k, dtype=torch.int64)
+    weights = None if not k else torch.empty(T, k, dtype=torch.float32)
     if T:
         rc = lib.bevy_attn_block(
             h.data_ptr(),
             T,
             D,
-            norm_w.data_ptr(),
-            eps,
-            wqkv.data_ptr(),
-            _BLOCK_CODES[tq],
-            wo.data_ptr(),
-            _BLOCK_CODES[to],
+            blk.norm_w.data_ptr(),
+            blk.eps,
+            blk.wqkv.data_ptr(),
+            blk.codes[0],
+            blk.wo.data_ptr(),
+            blk.codes[1],
             cos.data_ptr(),
             sin.data_ptr(),
-            interleaved,
+            blk.interleaved,
             *_cache_args(caches, pos),
             H,
             G,
             dh,
             dh**-0.5,
             out.data_ptr(),
-            None if x is None else ffn_w.data_ptr(),
+            None if x is None else blk.ffn_w.data_ptr(),
             None if x is None else x.data_ptr(),
             None if logits is None else router.data_ptr(),
             E,
             None if logits is None else logits.data_ptr(),
+            k,
+            norm,
+            None if ids is None else ids.data_ptr(),
+            None if weights is None else weights.data_ptr(),
             torch.get_num_threads(),
         )
         _check(rc, "native attention block")
-    return out, x, logits
+    return out, x, logits, ids, weights

@@ -112,6 +112,8 @@ class Transformer:
         )
         # dtype -> (cos, sin) [P, Dh/2] for positions 0..P-1 (see ``_rope_table``)
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (layer, ffn, router) -> the native attention block's weights (``_block_weights``)
+        self._blocks: dict[tuple[int, bool, bool], native.BlockWeights | None] = {}
 
     # --- pieces -------------------------------------------------------------------------
 
@@ -270,12 +272,13 @@ class Transformer:
                 return mixed
         if done is None:  # (it tries the native block again, and is refused again)
             h = self.attention_block(layer, h, seqs)
-            x, logits = self.ffn_input(layer, h), None
+            x, logits, ids, weights = self.ffn_input(layer, h), None, None, None
         else:
-            h, x, logits = done
+            h, x, logits, ids, weights = done
         if not sparse:
             return h, x, None, None
-        ids, weights = self.route(layer, x, logits)
+        if ids is None:
+            ids, weights = self.route(layer, x, logits)
         return h, x, ids, weights
 
     def _route_mixed(
@@ -296,16 +299,19 @@ class Transformer:
         done = self._decode_block(layer, h[rows[0]], ones, ffn=True, router=sparse)
         if done is None:
             return None
-        h1, x1, logits = done
+        h1, x1, logits, ids1, w1 = done
         h2 = self.attention_block(layer, h[rows[1]], [s for s in seqs if s.n != 1])
         x2 = self.ffn_input(layer, h2)
         out_h, out_x = torch.empty_like(h), torch.empty_like(h)
         ids = weights = None
-        for part, hh, xx, lg in ((rows[0], h1, x1, logits), (rows[1], h2, x2, None)):
+        for part, hh, xx, lg, top in (
+            (rows[0], h1, x1, logits, (ids1, w1)),
+            (rows[1], h2, x2, None, (None, None)),
+        ):
             idx = torch.tensor(part, device=h.device)
             out_h[idx], out_x[idx] = hh, xx
             if sparse:
-                i, w = self.route(layer, xx, lg)
+                i, w = top if top[0] is not None else self.route(layer, xx, lg)
                 if ids is None:
                     ids = i.new_empty(h.shape[0], i.shape[1])
                     weights = w.new_empty(h.shape[0], w.shape[1])
@@ -329,17 +335,36 @@ class Transformer:
         seqs: Sequence[SeqSlice],
         ffn: bool = False,
         router: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    ) -> tuple[torch.Tensor, ...] | None:
         """A decoding step's whole attention block in one native call (``native.
         attention_block``; a demo layer for one row here: 0.11 ms against 0.44 ms through
         the ops below at 40 positions, 0.36 against 0.91 ms at 1650), where the layer's
         projections are stored in blocks the kernels read and it has no biases, q/k norms
-        or clipping; else None. Returns (h, x, logits): with ``ffn``, x is the FFN's
-        input (``ffn_input``), and with ``router`` too, logits its router's (or None where
-        the kernel does not take the router)."""
+        or clipping; else None. Returns (h, x, logits, ids, weights): with ``ffn``, x is
+        the FFN's input (``ffn_input``), and with ``router`` too, logits its router's and
+        ids, weights its routing (``route``'s selection and weights, computed in the same
+        call: the softmax's roundings are the kernel's), each None where the kernel does not
+        take the router. Rows routed here route so wherever they run (sequential reference,
+        every policy, batched with a prompt), so their results stay the same bits."""
+        blk = self._block_weights(layer, ffn, router)
+        if blk is None:
+            return None
+        c = self.config
+        like = h.new_empty(c.n_kv_heads, 0, c.head_dim)
+        caches = [s.kv.reserve(layer, s.start, s.start + 1, like) for s in seqs]
+        rope = self._rope_table(max(s.start for s in seqs) + 1, h.dtype)
+        return native.attention_block(h, blk, rope, caches, [s.start for s in seqs])
+
+    def _block_weights(self, layer: int, ffn: bool, router: bool) -> native.BlockWeights | None:
+        """The layer's ``native.BlockWeights`` (checked once, then kept), or None where the
+        native block does not take the layer."""
+        key = (layer, ffn, router)
+        if key in self._blocks:
+            return self._blocks[key]
         c, p = self.config, f"blk.{layer}."
         qkv, o = self.fused.get(p + "attn_qkv"), self.fused.get(p + "attn_output")
-        if (
+        blk = None
+        if not (
             qkv is None
             or o is None
             or qkv.data.dtype != torch.uint8
@@ -348,24 +373,21 @@ class Transformer:
             or c.clip_qkv is not None
             or any(p + n + ".bias" in self.w for n in ("attn_q", "attn_k", "attn_v", "attn_output"))
         ):
-            return None
-        like = h.new_empty(c.n_kv_heads, 0, c.head_dim)
-        caches = [s.kv.reserve(layer, s.start, s.start + 1, like) for s in seqs]
-        cos, sin = self._rope_table(max(s.start for s in seqs) + 1, h.dtype)
-        return native.attention_block(
-            h,
-            self.w[p + "attn_norm"],
-            c.rms_eps,
-            (qkv.data, qkv.qtype),
-            (o.data, o.qtype),
-            (cos, sin, c.rope_interleaved),
-            caches,
-            [s.start for s in seqs],
-            (c.n_heads, c.n_kv_heads, c.head_dim),
-            (self.w[p + "ffn_norm"], self.w[p + "ffn_gate_inp"] if router else None)
-            if ffn
-            else None,
-        )
+            blk = native.BlockWeights(
+                self.w[p + "attn_norm"],
+                c.rms_eps,
+                (qkv.data, qkv.qtype),
+                (o.data, o.qtype),
+                (c.n_heads, c.n_kv_heads, c.head_dim),
+                c.rope_interleaved,
+                (self.w[p + "ffn_norm"], self.w[p + "ffn_gate_inp"] if router else None)
+                if ffn
+                else None,
+                (c.top_k, c.norm_topk_prob) if router else None,
+            )
+            blk = blk if blk.ok else None
+        self._blocks[key] = blk
+        return blk
 
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.w[f"blk.{layer}.ffn_norm"], self.config.rms_eps)

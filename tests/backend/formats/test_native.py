@@ -351,9 +351,9 @@ def test_attention_refuses_what_it_does_not_take():
 @pytest.mark.parametrize(("tqkv", "to"), [(QType.Q4_1, QType.Q4_0), (QType.Q4_0, QType.Q8_0)])
 def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to):
     """The whole decoding block (norm, q/k/v, RoPE of adjacent pairs or of halves, KV
-    write, attention, output projection, residual, then the FFN's norm and router logits)
-    against the same steps in torch on dequantized weights, float64 attention: within
-    1e-4. Each row alone is the same bits as in its batch."""
+    write, attention, output projection, residual, then the FFN's norm, router logits and
+    top-k routing) against the same steps in torch on dequantized weights, float64
+    attention: within 1e-4. Each row alone is the same bits as in its batch."""
     monkeypatch.setattr(native, "_lib", lib)
     H, G, dh, D = 6, 2, 32, 96
     gen = torch.Generator().manual_seed(7)
@@ -369,11 +369,16 @@ def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to)
     ]
     before = [(kb.clone(), vb.clone()) for kb, vb in caches]
     h = torch.randn(len(pos), D, generator=gen)
-    args = ((wqkv, tqkv), (wo, to), (cos, sin, interleaved))
+
+    def weights(ffn=None, topk=None, heads=(H, G, dh)) -> native.BlockWeights:
+        return native.BlockWeights(
+            norm_w, 1e-5, (wqkv, tqkv), (wo, to), heads, interleaved, ffn, topk
+        )
+
     ffn = (torch.rand(D, generator=gen) + 0.5, torch.randn(5, D, generator=gen))
-    got, x_got, logits = native.attention_block(
-        h, norm_w, 1e-5, *args, caches, pos, (H, G, dh), ffn
-    )
+    blk = weights(ffn, (2, False))
+    assert blk.ok
+    got, x_got, logits, ids, w = native.attention_block(h, blk, (cos, sin), caches, pos)
 
     x = norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
     qkv = F.linear(x, dequantize(wqkv, tqkv, ((H + 2 * G) * dh, D)))
@@ -392,25 +397,35 @@ def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to)
     x_ref = ffn[0] * (got * torch.rsqrt(got.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert (x_got - x_ref).abs().max().item() <= 1e-5 * x_ref.abs().max().item()
     assert (logits - x_got @ ffn[1].T).abs().max().item() <= 1e-5 * logits.abs().max().item()
+    w_ref, ids_ref = logits.softmax(-1).topk(2, -1)
+    assert torch.equal(ids, ids_ref) and ids.dtype == torch.int64
+    assert (w - w_ref).abs().max().item() <= 1e-6
     for r, p in enumerate(pos):
         assert (caches[r][0][:, p] - k[r]).abs().max().item() <= 1e-5
         assert (caches[r][1][:, p] - v[r]).abs().max().item() <= 1e-5
-        alone = native.attention_block(
-            h[r : r + 1], norm_w, 1e-5, *args, [caches[r]], [p], (H, G, dh), ffn
-        )
-        for a, b in zip(alone, (got, x_got, logits), strict=True):
+        alone = native.attention_block(h[r : r + 1], blk, (cos, sin), [caches[r]], [p])
+        for a, b in zip(alone, (got, x_got, logits, ids, w), strict=True):
             assert torch.equal(a[0], b[r])
+    # Normalized top-k weights (sum 1), and of equal logits the lower expert first: a
+    # router whose rows 1 and 3 are the same, and larger than the rest.
+    tied = ffn[1].clone()
+    tied[1] = tied[3] = tied[1].abs() * 0.5 * x_got[0].sign()
+    *_, t_logits, t_ids, t_w = native.attention_block(
+        h[:1], weights((ffn[0], tied), (3, True)), (cos, sin), [caches[0]], [pos[0]]
+    )
+    assert t_ids[0, :2].tolist() == [1, 3]
+    top = t_logits.softmax(-1).topk(3, -1)
+    assert torch.equal(t_ids[0, 2], top.indices[0, 2])
+    assert (t_w - top.values / top.values.sum(-1, keepdim=True)).abs().max().item() <= 1e-6
     # Without the FFN's weights: the block alone, the same bits. A router the kernel does
-    # not take (float64): the norm still, no logits.
-    plain = native.attention_block(h, norm_w, 1e-5, *args, caches, pos, (H, G, dh))
-    assert torch.equal(plain[0], got) and plain[1:] == (None, None)
+    # not take (float64): the norm still, no logits and no routing.
+    plain = native.attention_block(h, weights(), (cos, sin), caches, pos)
+    assert torch.equal(plain[0], got) and plain[1:] == (None,) * 4
     wide = native.attention_block(
-        h, norm_w, 1e-5, *args, caches, pos, (H, G, dh), (ffn[0], ffn[1].double())
+        h, weights((ffn[0], ffn[1].double()), (2, False)), (cos, sin), caches, pos
     )
-    assert torch.equal(wide[1], x_got) and wide[2] is None
+    assert torch.equal(wide[1], x_got) and wide[2:] == (None,) * 3
     # A table too short for a position, or weights of another shape: not taken.
-    short = (cos[:100], sin[:100], interleaved)
-    assert (
-        native.attention_block(h, norm_w, 1e-5, *args[:2], short, caches, pos, (H, G, dh)) is None
-    )
-    assert native.attention_block(h, norm_w, 1e-5, *args, caches, pos, (H, G, 2 * dh)) is None
+    assert native.attention_block(h, blk, (cos[:100], sin[:100]), caches, pos) is None
+    assert not weights(heads=(H, G, 2 * dh)).ok
+    assert native.attention_block(h, weights(heads=(H, G, 2 * dh)), (cos, sin), caches, pos) is None
