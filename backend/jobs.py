@@ -155,18 +155,17 @@ class JobRunner:
             done = self._moe(layer, group, riders)
             if not done:
                 return [], None
-            if t.config.shared_expert_size:
-                outs = []
-                for r in done:  # each request's own: its bits do not depend on the batch
-                    outs.append(r.h + (r.acc + t.shared_expert(layer, r.x)))
-                h = torch.cat(outs)
-            else:
-                h = _stacked([r.h for r in done]) + _stacked([r.acc for r in done])
+            outs = []
+            for r in done:
+                shared = t.shared_expert(layer, r.x)
+                outs.append(r.h + (r.acc if shared is None else r.acc + shared))
+            h = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
             done = list(group)
             if not done:
                 return [], None
-            h = torch.cat([r.h + t.dense_mlp(layer, r.x) for r in group])
+            outs = [r.h + t.dense_mlp(layer, r.x) for r in group]
+            h = outs[0] if len(outs) == 1 else torch.cat(outs)
         if layer + 1 < t.config.n_layers:
             self.enter(done, layer + 1, [SeqSlice(r.kv, r.start, r.n) for r in done], h)
             return done, None
@@ -194,7 +193,11 @@ class JobRunner:
         members = [members[i] for i in first]
         subsets = [subsets[i] for i in first]
         n_whole = sum(whole)
-        x, w = _stacked([r.x for r in members]), _stacked([r.route_w for r in members])
+        if len(members) == 1:
+            x, w = members[0].x, members[0].route_w
+        else:
+            x = torch.cat([r.x for r in members])
+            w = torch.cat([r.route_w for r in members])
         y = None
         if all(r.n == 1 for r in members[n_whole:]):
             y = self._moe_native(layer, members, subsets, n_whole, x, w)
@@ -463,27 +466,3 @@ class JobRunner:
                 r = one.get(row)
                 if r is not None:
                     r.parts[expert_of[j]] = out[j : j + 1].clone()  # not a view of all of out
-
-
-def _stacked(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)``: where they are consecutive rows of one tensor, as ``enter``
-    leaves a group's, a view of those rows instead of a copy (callers only read it)."""
-    if len(parts) == 1:
-        return parts[0]
-    base = parts[0]._base
-    if base is not None and base.dim() == 2 and base.is_contiguous():
-        width, first = base.shape[1], parts[0].storage_offset()
-        at = first
-        for p in parts:
-            if (
-                p._base is not base
-                or p.dim() != 2
-                or p.shape[1] != width
-                or p.storage_offset() != at
-                or not p.is_contiguous()
-            ):
-                return torch.cat(parts)
-            at += p.shape[0] * width
-        start = (first - base.storage_offset()) // width
-        return base[start : start + (at - first) // width]
-    return torch.cat(parts)
