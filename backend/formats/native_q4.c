@@ -610,8 +610,8 @@ static void rope_heads(float *x, int nh, int dh, const float *cos, const float *
     }
 }
 
-/* A row's routing from its router logits lg [E]: the k largest (largest first; of equal
-   ones, the lower expert), and their weights, softmax over all E (exp of each logit less
+/* A row's routing from its router logits lg [E], 1 <= k <= E: the k largest (largest
+   first; of equal ones, the lower expert), and their weights, softmax over all E (exp of each logit less
    the largest, over the sum of those), divided by the k weights' sum if norm. */
 static void route_top_k(const float *lg, int E, int k, int norm, int64_t *ids, float *w) {
     float m = lg[0], sum = 0.f, top = 0.f;
@@ -658,6 +658,7 @@ int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps
                     int E, float *logits, int k, int norm_topk, int64_t *ids, float *weights,
                     int threads) {
     const int width = (H + 2 * G) * dh, half = dh / 2;
+    if (ids && (!router || k < 1 || k > E)) return -2;
     float *x = malloc(sizeof(float) * ((size_t)T * D + (size_t)T * width + (size_t)T * H * dh) + 1);
     if (!x) return -1;
     float *qkv = x + (size_t)T * D, *att = qkv + (size_t)T * width;

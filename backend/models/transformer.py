@@ -112,8 +112,9 @@ class Transformer:
         )
         # dtype -> (cos, sin) [P, Dh/2] for positions 0..P-1 (see ``_rope_table``)
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        # (layer, ffn, router) -> the native attention block's weights (``_block_weights``)
-        self._blocks: dict[tuple[int, bool, bool], native.BlockWeights | None] = {}
+        # (layer, ffn, router) -> (the weights it was made of, the native attention block's
+        # weights or None): see ``_block_weights``
+        self._blocks: dict[tuple[int, bool, bool], tuple[tuple, native.BlockWeights | None]] = {}
 
     # --- pieces -------------------------------------------------------------------------
 
@@ -260,8 +261,8 @@ class Transformer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``attention_block``, then the FFN's input and, for sparse layers, its routing:
         (h, x, ids, weights), ids and weights None for dense layers. Decoding rows get all
-        of it but the top-k from one native call where it applies (``_decode_block``),
-        in the sequential reference and the engine alike."""
+        of it from one native call where it applies (``_decode_block``), in the sequential
+        reference and the engine alike."""
         sparse = self.config.sparse_layers[layer]
         done = None
         if h.dtype == torch.float32 and self._decoding(h, seqs):
@@ -356,13 +357,22 @@ class Transformer:
         return native.attention_block(h, blk, rope, caches, [s.start for s in seqs])
 
     def _block_weights(self, layer: int, ffn: bool, router: bool) -> native.BlockWeights | None:
-        """The layer's ``native.BlockWeights`` (checked once, then kept), or None where the
-        native block does not take the layer."""
-        key = (layer, ffn, router)
-        if key in self._blocks:
-            return self._blocks[key]
+        """The layer's ``native.BlockWeights``, or None where the native block does not
+        take the layer: checked once, then kept while the weights it was made of are still
+        the layer's (a caller may swap ``fused`` or ``w``, as the tests' references do)."""
         c, p = self.config, f"blk.{layer}."
         qkv, o = self.fused.get(p + "attn_qkv"), self.fused.get(p + "attn_output")
+        sources = (
+            qkv,
+            o,
+            self.w.get(p + "attn_norm"),
+            self.w.get(p + "ffn_norm") if ffn else None,
+            self.w.get(p + "ffn_gate_inp") if router else None,
+        )
+        key = (layer, ffn, router)
+        kept = self._blocks.get(key)
+        if kept is not None and all(a is b for a, b in zip(kept[0], sources, strict=True)):
+            return kept[1]
         blk = None
         if not (
             qkv is None
@@ -386,7 +396,7 @@ class Transformer:
                 (c.top_k, c.norm_topk_prob) if router else None,
             )
             blk = blk if blk.ok else None
-        self._blocks[key] = blk
+        self._blocks[key] = (sources, blk)
         return blk
 
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:

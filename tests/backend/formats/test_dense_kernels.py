@@ -171,5 +171,7 @@ def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch
     assert ran >= 6 * (2 * c.n_layers + 1)
     assert any(out is not None for _, out in blocks) == native.available()
     t.fused = {}
+    before = len(blocks)
     _, plain = greedy_logits(model, [3, 17, 42, 5], steps=6)
+    assert not any(out is not None for _, out in blocks[before:])  # the ops, not the block
     assert (fused - plain).abs().max().item() <= 1e-4
