@@ -153,19 +153,16 @@ class JobRunner:
         t, layer = self.t, (group[0] if group else riders[0][0]).layer
         if t.config.sparse_layers[layer]:
             done = self._moe(layer, group, riders)
-            if not done:
-                return [], None
             outs = []
             for r in done:
                 shared = t.shared_expert(layer, r.x)
                 outs.append(r.h + (r.acc if shared is None else r.acc + shared))
-            h = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
             done = list(group)
-            if not done:
-                return [], None
             outs = [r.h + t.dense_mlp(layer, r.x) for r in group]
-            h = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if not done:
+            return [], None
+        h = outs[0] if len(outs) == 1 else torch.cat(outs)
         if layer + 1 < t.config.n_layers:
             self.enter(done, layer + 1, [SeqSlice(r.kv, r.start, r.n) for r in done], h)
             return done, None

@@ -41,9 +41,10 @@ a batch (the tests check both).
 ``attention`` and ``attention_block`` run a decoding step's attention (one new token per
 sequence, float32 KV cache): the block also takes the norm, the q/k/v and output
 projections from their stored blocks, RoPE and the residual, then the FFN's norm and
-the router's logits, softmax and top-k, one call per layer instead of ~30 torch ops. Positions go in chunks of 256 whose partial softmaxes are merged in
-order, so a row's result depends neither on its batch-mates nor on the thread count;
-they agree with a float64 reference to ~1e-6 (exp by a polynomial within ~2 ulp).
+the router's logits, softmax and top-k, one call per layer instead of ~30 torch ops.
+Positions go in chunks of 256 whose partial softmaxes are merged in order, so a row's
+result depends neither on its batch-mates nor on the thread count; they agree with a
+float64 reference to ~1e-6 (exp by a polynomial within ~2 ulp).
 """
 
 from __future__ import annotations

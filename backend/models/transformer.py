@@ -273,13 +273,13 @@ class Transformer:
                 return mixed
         if done is None:  # (it tries the native block again, and is refused again)
             h = self.attention_block(layer, h, seqs)
-            x, logits, ids, weights = self.ffn_input(layer, h), None, None, None
+            x, ids, weights = self.ffn_input(layer, h), None, None
         else:
-            h, x, logits, ids, weights = done
+            h, x, _, ids, weights = done
         if not sparse:
             return h, x, None, None
-        if ids is None:
-            ids, weights = self.route(layer, x, logits)
+        if ids is None:  # a router the kernel does not take
+            ids, weights = self.route(layer, x)
         return h, x, ids, weights
 
     def _route_mixed(
@@ -300,19 +300,16 @@ class Transformer:
         done = self._decode_block(layer, h[rows[0]], ones, ffn=True, router=sparse)
         if done is None:
             return None
-        h1, x1, logits, ids1, w1 = done
+        h1, x1, _, ids1, w1 = done
         h2 = self.attention_block(layer, h[rows[1]], [s for s in seqs if s.n != 1])
         x2 = self.ffn_input(layer, h2)
         out_h, out_x = torch.empty_like(h), torch.empty_like(h)
         ids = weights = None
-        for part, hh, xx, lg, top in (
-            (rows[0], h1, x1, logits, (ids1, w1)),
-            (rows[1], h2, x2, None, (None, None)),
-        ):
+        for part, hh, xx, top in ((rows[0], h1, x1, ids1), (rows[1], h2, x2, None)):
             idx = torch.tensor(part, device=h.device)
             out_h[idx], out_x[idx] = hh, xx
             if sparse:
-                i, w = top if top[0] is not None else self.route(layer, xx, lg)
+                i, w = (top, w1) if top is not None else self.route(layer, xx)
                 if ids is None:
                     ids = i.new_empty(h.shape[0], i.shape[1])
                     weights = w.new_empty(h.shape[0], w.shape[1])
@@ -402,13 +399,9 @@ class Transformer:
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.w[f"blk.{layer}.ffn_norm"], self.config.rms_eps)
 
-    def route(
-        self, layer: int, x: torch.Tensor, logits: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [T, K] and weights [T, K] (softmax over all, then top-k), from
-        the router's ``logits`` [T, E] of x where the caller has them."""
-        if logits is None:
-            logits = F.linear(x, self.w[f"blk.{layer}.ffn_gate_inp"]).float()  # [T, E]
+    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [T, K] and weights [T, K] (softmax over all, then top-k)."""
+        logits = F.linear(x, self.w[f"blk.{layer}.ffn_gate_inp"]).float()  # [T, E]
         probs = logits.softmax(-1)
         weights, ids = probs.topk(self.config.top_k, dim=-1)
         if self.config.norm_topk_prob:
