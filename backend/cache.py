@@ -5,17 +5,26 @@ Pure Python (no torch): the engine owns the slot tensor; this decides placement.
 - ``pin``/``unpin`` count references held by jobs; only ready entries with zero
   references are evictable, so an expert a job relies on is never replaced under it.
 - A key that is loading is never fetched twice (pending fetches are deduplicated).
-- Eviction: LRU (least recently used) or LFU (fewest uses since start, oldest use first
-  on ties), among evictable entries only.
+- Eviction, among evictable entries only: LRU (least recently used), LFU (fewest uses
+  since start, oldest use first on ties), or ``reuse``: the entry whose next use is
+  expected latest, from how often it is used and where the running requests are in the
+  cycle of layers (``set_positions``; see ``_reuse_time``). Every token walks the
+  layers in order, so an expert of the layer all requests just left is needed again
+  only at the next token, while one of the layer a request is about to reach may be
+  needed at once: frequency alone cannot tell these apart, and both LRU and LFU evict
+  into a cyclic walk that is larger than the cache.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 Key = tuple[int, int]  # (layer, expert)
+EVICTION_POLICIES = ("lru", "lfu", "reuse")
 
 
 @dataclass
@@ -38,8 +47,10 @@ class ExpertCache:
     def __init__(self, n_slots: int, policy: str = "lru") -> None:
         if n_slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {n_slots}")
-        if policy not in ("lru", "lfu"):
-            raise ValueError(f"eviction policy must be 'lru' or 'lfu', got {policy!r}")
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}"
+            )
         self.n_slots = n_slots
         self.policy = policy
         self.slot_of: dict[Key, int] = {}
@@ -54,6 +65,19 @@ class ExpertCache:
         self._last: dict[Key, int] = {}
         self._lru: OrderedDict[Key, None] = OrderedDict()  # evictable keys, oldest first
         self._heap: list[tuple[int, int, Key]] = []  # LFU: (uses, last use, key), lazily pruned
+        # reuse: the same entries in one heap per layer, and what ``_reuse_time`` needs.
+        self._layer_heaps: dict[int, list[tuple[int, int, Key]]] = {}
+        self._n_layer_heaped = 0
+        self._passes: dict[int, int] = {}  # jobs routed at each layer (``record_pass``)
+        self._positions: tuple[int, ...] = ()  # layers the running requests are at, sorted
+        self._count: Counter[int] = Counter()  # requests at each of those layers
+        self._at: list[int] = []  # those layers, sorted
+        self._dists: dict[int, list[tuple[int, int]]] = {}  # per layer: (jobs away, requests)
+        self._n_layers = 0
+        self._wanted: frozenset[Key] = frozenset()
+        self._reuse_memo: dict[tuple[int, int, int], float] = {}
+        self._held: list[tuple[int, int, Key]] = []  # wanted entries out of their heaps
+        self._ranks: list[tuple[float, int, int, int]] | None = None  # see _reuse_victim
         self.guessed: set[Key] = set()  # prefetched entries no job has claimed yet
 
     # --- queries ------------------------------------------------------------------------
@@ -92,6 +116,33 @@ class ExpertCache:
         self._last[key] = self._tick
         if key in self.slot_of:
             self._touch(key)
+
+    def record_pass(self, layer: int) -> None:
+        """A job routed at ``layer`` (its uses follow as ``record_use``): how often an
+        expert is used per pass is its uses over its layer's passes."""
+        self._passes[layer] = self._passes.get(layer, 0) + 1
+
+    def set_positions(
+        self, layers: Sequence[int], n_layers: int, wanted: frozenset[Key] = frozenset()
+    ) -> None:
+        """For ``reuse``: the layer each running request is at (its next job runs that
+        layer's experts, then reaches the next layer), and ``wanted``, experts requests
+        have routed to but not claimed yet (evicted last)."""
+        positions = tuple(sorted(layers))
+        if positions == self._positions and n_layers == self._n_layers and wanted <= self._wanted:
+            # The engine sets these before every claim; most claims follow a fetch landing,
+            # which moves nobody, and the wanted experts they take are pinned from then on.
+            self._wanted = wanted
+            return
+        self._n_layers, self._wanted, self._positions = n_layers, wanted, positions
+        self._count = Counter(positions)
+        self._at = sorted(self._count)
+        self._dists.clear()
+        self._reuse_memo.clear()
+        for entry in self._held:
+            heapq.heappush(self._layer_heaps[entry[2][0]], entry)
+        self._n_layer_heaped += len(self._held)
+        self._held, self._ranks = [], None
 
     def record_lookup(self, key: Key) -> bool:
         """A job claims ``key``: a hit if ready or already loading, else a miss."""
@@ -173,23 +224,131 @@ class ExpertCache:
     def _touch(self, key: Key) -> None:
         if key in self._lru:
             self._lru.move_to_end(key)
-            if self.policy == "lfu":
-                heapq.heappush(self._heap, (self._uses.get(key, 0), self._last.get(key, 0), key))
-                if len(self._heap) > 2 * len(self._lru) + 64:
-                    self._rebuild_heap()
+            self._push(key)
 
     def _make_evictable(self, key: Key) -> None:
         self._lru[key] = None
         self._lru.move_to_end(key)
+        self._push(key)
+
+    def _push(self, key: Key) -> None:
+        entry = (self._uses.get(key, 0), self._last.get(key, 0), key)
         if self.policy == "lfu":
-            heapq.heappush(self._heap, (self._uses.get(key, 0), self._last.get(key, 0), key))
+            heapq.heappush(self._heap, entry)
             if len(self._heap) > 2 * len(self._lru) + 64:
+                self._rebuild_heap()
+        elif self.policy == "reuse":
+            heapq.heappush(self._layer_heaps.setdefault(key[0], []), entry)
+            self._n_layer_heaped += 1
+            if self._ranks is not None and (rank := self._layer_rank(key[0])) is not None:
+                heapq.heappush(self._ranks, rank)  # the layer's candidate may be this one
+            if self._n_layer_heaped > 2 * len(self._lru) + 64:
                 self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
         """Drop stale entries (uses recorded since, keys pinned again) so the heap stays small."""
-        self._heap = [(self._uses.get(k, 0), self._last.get(k, 0), k) for k in self._lru]
-        heapq.heapify(self._heap)
+        entries = [(self._uses.get(k, 0), self._last.get(k, 0), k) for k in self._lru]
+        if self.policy == "reuse":
+            self._layer_heaps = {}
+            for e in entries:
+                self._layer_heaps.setdefault(e[2][0], []).append(e)
+            for h in self._layer_heaps.values():
+                heapq.heapify(h)
+            self._n_layer_heaped = len(entries)
+            self._held, self._ranks = [], None
+        else:
+            self._heap = entries
+            heapq.heapify(self._heap)
+
+    def _valid(self, entry: tuple[int, int, Key]) -> bool:
+        uses, last, key = entry
+        return key in self._lru and (uses, last) == (self._uses.get(key, 0), self._last.get(key, 0))
+
+    def _reuse_time(self, layer: int, uses: int) -> float:
+        """Expected jobs until some running request next uses an expert of ``layer`` with
+        ``uses`` uses. Each request passes the layer once per token, the next time after
+        d jobs (``set_positions``), and uses the expert on a pass with chance q = uses /
+        passes of the layer, independently. With c_j requests d_j jobs away (d_1 < d_2 <
+        ...), the first use comes at d_j with chance m_j (1 - (1 - q)^c_j), where m_j =
+        (1 - q)^(c_1 + ... + c_(j-1)), or in none of this walk's passes, m = (1 - q)^N,
+        and then the same again a walk (L jobs) later:
+        T = (sum_j d_j m_j (1 - (1 - q)^c_j) + m L) / (1 - m)."""
+        passes = self._passes.get(layer, 0)
+        memo = (layer, uses, passes)
+        t = self._reuse_memo.get(memo)
+        if t is not None:
+            return t
+        L = self._n_layers
+        groups = self._dists.get(layer)
+        if groups is None:
+            # A request at p reaches this layer after layer - p jobs if it is ahead of it,
+            # else after the rest of this token's walk (at p itself it has routed: the
+            # next token, L jobs). Closest first: those below, then above, then at it.
+            i = bisect.bisect_left(self._at, layer)
+            order = [*reversed(self._at[:i]), *reversed(self._at[i:])]  # at `layer`: last
+            groups = self._dists[layer] = [((layer - p) % L or L, self._count[p]) for p in order]
+        q = min(1.0, uses / passes) if passes else 1.0
+        if q <= 0.0:
+            t = float("inf")
+        else:
+            acc, m = 0.0, 1.0
+            for d, c in groups:
+                u = (1.0 - q) ** c
+                acc += d * m * (1.0 - u)
+                m *= u
+            t = (acc + m * L) / (1.0 - m) if m < 1.0 else float("inf")
+        self._reuse_memo[memo] = t
+        return t
+
+    def _layer_rank(self, layer: int) -> tuple[float, int, int, int] | None:
+        """The eviction rank of ``layer``'s candidate, its least used evictable entry no
+        request wants (smaller goes first); None if it has none. Wanted entries met on
+        the way wait in ``_held`` until the positions change."""
+        heap = self._layer_heaps[layer]
+        while heap:
+            entry = heap[0]
+            if not self._valid(entry):
+                heapq.heappop(heap)
+                self._n_layer_heaped -= 1
+            elif entry[2] in self._wanted:
+                self._held.append(heapq.heappop(heap))
+                self._n_layer_heaped -= 1
+            else:
+                uses, last, _ = entry
+                t = self._reuse_time(layer, uses) if self._positions else 0.0
+                return (-t, uses, last, layer)
+        return None
+
+    def _reuse_victim(self) -> Key:
+        """Of the layers' candidates, the one whose next use is expected latest (ties: the
+        less used, then the older use); an entry some request wants only when nothing
+        else is left. The layers' ranks are kept in a heap until the positions change: a
+        layer's rank gets worse as its entries go (claims pin them, fetches evict them),
+        and a stale rank is fixed when met; an entry that becomes evictable pushes its
+        layer's rank anew (``_push``)."""
+        if self._ranks is None:
+            self._ranks = [r for l in self._layer_heaps if (r := self._layer_rank(l)) is not None]
+            heapq.heapify(self._ranks)
+        while self._ranks:
+            rank = heapq.heappop(self._ranks)
+            layer = rank[3]
+            current = self._layer_rank(layer)
+            if current is None:
+                continue
+            if current != rank:
+                heapq.heappush(self._ranks, current)
+                continue
+            key = heapq.heappop(self._layer_heaps[layer])[2]
+            self._n_layer_heaped -= 1
+            following = self._layer_rank(layer)
+            if following is not None:
+                heapq.heappush(self._ranks, following)
+            del self._lru[key]
+            return key
+        # Only wanted entries are left: the least used of them.
+        key = min((self._uses.get(k, 0), self._last.get(k, 0), k) for k in self._lru)[2]
+        del self._lru[key]
+        return key
 
     def _victim(self) -> Key | None:
         if not self._lru:
@@ -197,6 +356,8 @@ class ExpertCache:
         if self.policy == "lru":
             key, _ = self._lru.popitem(last=False)
             return key
+        if self.policy == "reuse":
+            return self._reuse_victim()
         while self._heap:
             uses, last, key = heapq.heappop(self._heap)
             current = (self._uses.get(key, 0), self._last.get(key, 0))

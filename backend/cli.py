@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from backend.cache import EVICTION_POLICIES
 from backend.errors import BevyError
 
 
@@ -43,7 +44,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", choices=("ssd", "host"), default="ssd")
-    p.add_argument("--eviction", choices=("lru", "lfu"), default="lfu")
+    p.add_argument(
+        "--eviction",
+        choices=EVICTION_POLICIES,
+        default="lfu",
+        help="expert cache eviction: lfu, lru, or reuse (next use expected latest, from "
+        "use frequency and where requests are in the layer walk; fewer fetches, more "
+        "bookkeeping)",
+    )
     p.add_argument(
         "--slot-format",
         choices=("auto", "stored", "decoded"),

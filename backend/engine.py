@@ -343,6 +343,7 @@ class Engine:
     # --- schedule: claims and the compute group -----------------------------------------
 
     def _on_route(self, r: Request) -> None:
+        self.cache.record_pass(r.layer)
         for e in r.needed:
             self.cache.record_use((r.layer, e))
         if self.prefetcher:
@@ -358,6 +359,11 @@ class Engine:
             allowed = self.policy.static_claimable(self.running)
             blocked = [r for r in blocked if id(r) in allowed]
         low = min((r.layer for r in self.running), default=0)
+        if cache.policy == "reuse":
+            wanted = frozenset(
+                k for r in self.running if not r.claimed for k in r.pending_keys(cache.n_slots)
+            )
+            cache.set_positions([r.layer for r in self.running], self.model.config.n_layers, wanted)
         for r in self.policy.claim_order(blocked, self._missing, low):
             keys = r.pending_keys(cache.n_slots)
             present = [k for k in keys if cache.is_present(k)]

@@ -36,6 +36,68 @@ def test_lfu_keeps_the_most_used() -> None:
     assert c.is_present((0, 1)) and not c.is_present((0, 0))
 
 
+def use(cache: ExpertCache, key, times: int = 1) -> None:
+    """``times`` jobs route at ``key``'s layer, each using ``key``."""
+    for _ in range(times):
+        cache.record_pass(key[0])
+        cache.record_use(key)
+
+
+def test_reuse_evicts_the_layer_every_request_just_left() -> None:
+    # Both experts are used on every pass of their layer; LFU would evict (3, 0), used
+    # less often. The requests all sit at layer 2: they reach layer 3 next job, layer 1
+    # only after three jobs (the next token).
+    c = ExpertCache(2, "reuse")
+    fill(c, [(1, 0), (3, 0)])
+    use(c, (1, 0), 2)
+    use(c, (3, 0), 1)
+    c.set_positions([2, 2], n_layers=4)
+    c.record_use((2, 5))
+    c.reserve((2, 5))
+    assert c.is_present((3, 0)) and not c.is_present((1, 0))
+
+
+def test_reuse_weighs_how_often_against_how_soon() -> None:
+    # Layer 3 comes first (one job away) but its expert is used on one pass in ten; layer
+    # 1's expert, three jobs away, on every pass: the rarely used one goes.
+    c = ExpertCache(2, "reuse")
+    fill(c, [(1, 0), (3, 0)])
+    use(c, (1, 0), 9)
+    for _ in range(9):
+        c.record_pass(3)
+    c.set_positions([2], n_layers=4)
+    c.reserve((2, 5))
+    assert c.is_present((1, 0)) and not c.is_present((3, 0))
+
+
+def test_reuse_keeps_what_a_request_has_routed_to() -> None:
+    c = ExpertCache(2, "reuse")
+    fill(c, [(1, 0), (1, 1)])
+    use(c, (1, 1), 5)  # (1, 0) is the one to go, by use and by distance alike ...
+    c.set_positions([1, 3], n_layers=4, wanted=frozenset({(1, 0)}))  # ... but a request wants it
+    c.reserve((2, 5))
+    assert c.is_present((1, 0)) and not c.is_present((1, 1))
+    c.unpin((2, 5))
+    c.complete((2, 5))
+    c.set_positions([1, 3], n_layers=4, wanted=frozenset({(1, 0), (2, 5)}))
+    c.reserve((0, 7))  # only wanted entries left: the cache still makes room
+    assert c.n_used == 2 and c.is_present((0, 7))
+
+
+def test_reuse_without_positions_is_lfu() -> None:
+    a, b = ExpertCache(3, "reuse"), ExpertCache(3, "lfu")
+    for c in (a, b):
+        fill(c, [(0, 0), (1, 0), (2, 0)])
+        use(c, (0, 0), 3)
+        use(c, (2, 0), 1)
+        for k in [(3, 0), (4, 0)]:
+            use(c, k)
+            c.reserve(k)
+            c.complete(k)
+            c.unpin(k)
+    assert set(a.slot_of) == set(b.slot_of) == {(0, 0), (2, 0), (4, 0)}
+
+
 def test_pinned_entries_are_never_evicted() -> None:
     c = ExpertCache(2, "lru")
     fill(c, [(0, 0), (0, 1)])
@@ -86,22 +148,28 @@ def test_hit_rate_counts_lookups() -> None:
 def test_invalid_configuration() -> None:
     with pytest.raises(ValueError):
         ExpertCache(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lru, lfu, reuse"):
         ExpertCache(4, "fifo")
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from(["use", "pin", "unpin"]), st.integers(0, 7)), max_size=200),
-    st.sampled_from(["lru", "lfu"]),
+    st.lists(
+        st.tuples(st.sampled_from(["use", "pin", "unpin", "move"]), st.integers(0, 7)),
+        max_size=200,
+    ),
+    st.sampled_from(["lru", "lfu", "reuse"]),
     st.integers(1, 5),
 )
 def test_random_operations_keep_invariants(ops, policy: str, n_slots: int) -> None:
     c = ExpertCache(n_slots, policy)
     pins: dict[tuple[int, int], int] = {}
     for op, e in ops:
-        k = (0, e)
-        if op == "use":
+        k = (e % 3, e)
+        if op == "move":  # the requests move on; some routed experts wait for a claim
+            c.set_positions([e % 3, (e + 1) % 3], 3, frozenset({(e % 3, e), ((e + 1) % 3, e + 1)}))
+        elif op == "use":
+            c.record_pass(k[0])
             c.record_use(k)
             if not c.is_present(k) and c.reserve(k) is not None:
                 pins[k] = pins.get(k, 0) + 1

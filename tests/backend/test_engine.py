@@ -129,6 +129,27 @@ def test_every_policy_matches_plain_generation(
         eng.close()
 
 
+@pytest.mark.parametrize("cache", ["min", "0.3"])
+@pytest.mark.parametrize("policy", ["bevy", "sync", "prefetch-gate"])
+def test_reuse_eviction_matches_plain_generation(models, references, policy, cache) -> None:
+    """The ``reuse`` eviction order (where the requests are in the layer walk) changes
+    which experts are fetched, never a result, and leaves no pins."""
+    model = models["mixtral-q8-gguf"]
+    size = str(model.config.top_k) if cache == "min" else cache
+    config = EngineConfig(policy=policy, cache=size, storage="host", eviction="reuse")
+    eng = Engine(model, config)
+    try:
+        finished = run_staggered(eng)
+        for i, (tokens, logits) in enumerate(references["mixtral-q8-gguf"]):
+            assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
+            ours = torch.stack(eng.logits_log[f"r{i}"])
+            assert (ours - logits).abs().max().item() <= 1e-4
+        assert sum(eng.cache.refs) == 0 and eng.cache.stats.evictions > 0
+        assert eng.cache._positions  # the engine told the cache where its requests were
+    finally:
+        eng.close()
+
+
 def test_cache_below_legal_minimum_is_rejected(models) -> None:
     with pytest.raises(ValueError, match="below the legal minimum"):
         Engine(models["mixtral-q8-gguf"], EngineConfig(cache="1"))
