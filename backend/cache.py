@@ -72,7 +72,7 @@ class ExpertCache:
         self._positions: tuple[int, ...] = ()  # layers the running requests are at, sorted
         self._count: Counter[int] = Counter()  # requests at each of those layers
         self._at: list[int] = []  # those layers, sorted
-        self._dists: dict[int, list[tuple[int, int]]] = {}  # per layer: (jobs away, requests)
+        self._dists: dict[int, list[tuple[int, int]]] = {}  # per layer: (steps away, requests)
         self._n_layers = 0
         self._wanted: frozenset[Key] = frozenset()
         self._reuse_memo: dict[tuple[int, int, int], float] = {}
@@ -110,7 +110,7 @@ class ExpertCache:
     # --- uses, pins ---------------------------------------------------------------------
 
     def record_use(self, key: Key) -> None:
-        """Count one use of ``key`` (a job routed to it): the LFU/LRU order."""
+        """Count one use of ``key`` (a job routed to it): the eviction order's input."""
         self._tick += 1
         self._uses[key] = self._uses.get(key, 0) + 1
         self._last[key] = self._tick
@@ -121,6 +121,7 @@ class ExpertCache:
         """A job routed at ``layer`` (its uses follow as ``record_use``): how often an
         expert is used per pass is its uses over its layer's passes."""
         self._passes[layer] = self._passes.get(layer, 0) + 1
+        self._ranks = None  # a use rate changed: ranks may get better, not only worse
 
     def set_positions(
         self, layers: Sequence[int], n_layers: int, wanted: frozenset[Key] = frozenset()
@@ -128,21 +129,36 @@ class ExpertCache:
         """For ``reuse``: the layer each running request is at (its next job runs that
         layer's experts, then reaches the next layer), and ``wanted``, experts requests
         have routed to but not claimed yet (evicted last)."""
+        if layers and n_layers < 1:
+            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
         positions = tuple(sorted(layers))
-        if positions == self._positions and n_layers == self._n_layers and wanted <= self._wanted:
+        if positions == self._positions and n_layers == self._n_layers:
             # The engine sets these before every claim; most claims follow a fetch landing,
-            # which moves nobody, and the wanted experts they take are pinned from then on.
+            # which moves nobody: the distances and ranks stand. Entries no longer wanted
+            # go back to their heaps (and their layers' ranks are pushed anew).
             self._wanted = wanted
+            kept = [e for e in self._held if e[2] in wanted]
+            if len(kept) < len(self._held):
+                back = [e for e in self._held if e[2] not in wanted]
+                self._held = kept
+                self._unhold(back)
             return
         self._n_layers, self._wanted, self._positions = n_layers, wanted, positions
         self._count = Counter(positions)
         self._at = sorted(self._count)
         self._dists.clear()
         self._reuse_memo.clear()
-        for entry in self._held:
+        held, self._held, self._ranks = self._held, [], None
+        self._unhold(held)
+
+    def _unhold(self, entries: list[tuple[int, int, Key]]) -> None:
+        for entry in entries:
             heapq.heappush(self._layer_heaps[entry[2][0]], entry)
-        self._n_layer_heaped += len(self._held)
-        self._held, self._ranks = [], None
+        self._n_layer_heaped += len(entries)
+        if self._ranks is not None:
+            for layer in {e[2][0] for e in entries}:
+                if (rank := self._layer_rank(layer)) is not None:
+                    heapq.heappush(self._ranks, rank)
 
     def record_lookup(self, key: Key) -> bool:
         """A job claims ``key``: a hit if ready or already loading, else a miss."""
@@ -240,8 +256,11 @@ class ExpertCache:
         elif self.policy == "reuse":
             heapq.heappush(self._layer_heaps.setdefault(key[0], []), entry)
             self._n_layer_heaped += 1
-            if self._ranks is not None and (rank := self._layer_rank(key[0])) is not None:
-                heapq.heappush(self._ranks, rank)  # the layer's candidate may be this one
+            if self._ranks is not None:
+                if len(self._ranks) > 2 * len(self._layer_heaps) + 64:
+                    self._ranks = None  # mostly stale: rebuilt at the next eviction
+                elif (rank := self._layer_rank(key[0])) is not None:
+                    heapq.heappush(self._ranks, rank)  # the layer's candidate may be this one
             if self._n_layer_heaped > 2 * len(self._lru) + 64:
                 self._rebuild_heap()
 
@@ -265,13 +284,14 @@ class ExpertCache:
         return key in self._lru and (uses, last) == (self._uses.get(key, 0), self._last.get(key, 0))
 
     def _reuse_time(self, layer: int, uses: int) -> float:
-        """Expected jobs until some running request next uses an expert of ``layer`` with
-        ``uses`` uses. Each request passes the layer once per token, the next time after
-        d jobs (``set_positions``), and uses the expert on a pass with chance q = uses /
-        passes of the layer, independently. With c_j requests d_j jobs away (d_1 < d_2 <
+        """Expected layer steps until some running request next uses an expert of
+        ``layer`` with ``uses`` uses (a step: one of a request's own jobs; requests are
+        taken to step at the same pace). Each request passes the layer once per token,
+        the next time after d steps (``set_positions``), and uses the expert on a pass with chance q = uses /
+        passes of the layer, independently. With c_j requests d_j steps away (d_1 < d_2 <
         ...), the first use comes at d_j with chance m_j (1 - (1 - q)^c_j), where m_j =
         (1 - q)^(c_1 + ... + c_(j-1)), or in none of this walk's passes, m = (1 - q)^N,
-        and then the same again a walk (L jobs) later:
+        and then the same again a walk (L steps) later:
         T = (sum_j d_j m_j (1 - (1 - q)^c_j) + m L) / (1 - m)."""
         passes = self._passes.get(layer, 0)
         memo = (layer, uses, passes)
@@ -322,10 +342,11 @@ class ExpertCache:
     def _reuse_victim(self) -> Key:
         """Of the layers' candidates, the one whose next use is expected latest (ties: the
         less used, then the older use); an entry some request wants only when nothing
-        else is left. The layers' ranks are kept in a heap until the positions change: a
-        layer's rank gets worse as its entries go (claims pin them, fetches evict them),
-        and a stale rank is fixed when met; an entry that becomes evictable pushes its
-        layer's rank anew (``_push``)."""
+        else is left. The layers' ranks are kept in a heap until the positions or a use
+        rate change: meanwhile a layer's rank only gets worse as its entries go (claims
+        pin them, fetches evict them), and a stale rank is fixed when met; an entry that
+        becomes evictable (``_push``) or stops being wanted (``_unhold``) pushes its
+        layer's rank anew."""
         if self._ranks is None:
             self._ranks = [r for l in self._layer_heaps if (r := self._layer_rank(l)) is not None]
             heapq.heapify(self._ranks)
@@ -345,7 +366,7 @@ class ExpertCache:
                 heapq.heappush(self._ranks, following)
             del self._lru[key]
             return key
-        # Only wanted entries are left: the least used of them.
+        # No layer has an unwanted candidate: the least used evictable entry.
         key = min((self._uses.get(k, 0), self._last.get(k, 0), k) for k in self._lru)[2]
         del self._lru[key]
         return key

@@ -360,8 +360,10 @@ class Engine:
             blocked = [r for r in blocked if id(r) in allowed]
         low = min((r.layer for r in self.running), default=0)
         if cache.policy == "reuse":
+            # Every expert a request has routed to and not applied yet (a claimed one's
+            # are pinned; a prompt's beyond its current chunk wait for the next).
             wanted = frozenset(
-                k for r in self.running if not r.claimed for k in r.pending_keys(cache.n_slots)
+                (r.layer, e) for r in self.running for e in r.needed if e not in r.done
             )
             cache.set_positions([r.layer for r in self.running], self.model.config.n_layers, wanted)
         for r in self.policy.claim_order(blocked, self._missing, low):

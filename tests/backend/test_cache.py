@@ -84,6 +84,45 @@ def test_reuse_keeps_what_a_request_has_routed_to() -> None:
     assert c.n_used == 2 and c.is_present((0, 7))
 
 
+def test_reuse_frees_what_no_request_wants_any_more() -> None:
+    # (1, 0) is never used: the first to go, once no request wants it. Its requests move
+    # nowhere in between, so the cache keeps its distances and only the wanted set shrinks.
+    c = ExpertCache(4, "reuse")
+    fill(c, [(1, 0), (1, 1), (2, 0), (2, 1)])
+    for k in [(1, 1), (2, 0), (2, 1)]:
+        use(c, k, 5)
+    c.set_positions([0], n_layers=4, wanted=frozenset({(1, 0)}))
+    c.reserve((3, 0))
+    assert c.is_present((1, 0))
+    c.complete((3, 0))
+    c.unpin((3, 0))
+    c.set_positions([0], n_layers=4, wanted=frozenset())
+    c.reserve((3, 1))
+    assert not c.is_present((1, 0))
+
+
+def test_reuse_follows_use_rates_between_moves() -> None:
+    # (2, 0) is used on every pass of its layer, two steps away: kept over (1, 1), used
+    # on one pass in ten. Then layer 2 is passed 200 times without it while the requests
+    # stay put: now it is the rarely used one, and goes before (3, 0).
+    c = ExpertCache(2, "reuse")
+    fill(c, [(1, 1), (2, 0)])
+    for _ in range(9):
+        c.record_pass(1)
+    use(c, (2, 0), 5)
+    use(c, (3, 0), 5)
+    c.set_positions([0], n_layers=4)
+    c.reserve((3, 0))
+    assert not c.is_present((1, 1)) and c.is_present((2, 0))
+    c.complete((3, 0))
+    c.unpin((3, 0))
+    for _ in range(200):
+        c.record_pass(2)
+    c.record_use((3, 1))
+    c.reserve((3, 1))
+    assert c.is_present((3, 0)) and not c.is_present((2, 0))
+
+
 def test_reuse_without_positions_is_lfu() -> None:
     a, b = ExpertCache(3, "reuse"), ExpertCache(3, "lfu")
     for c in (a, b):
