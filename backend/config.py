@@ -77,10 +77,11 @@ class EngineConfig:
         "ssd"  # "ssd": experts read from the model file with O_DIRECT; "host": all in RAM
     )
     cache: str = "0.3"  # fraction, percentage, count or size (see parse_cache_size)
-    # "lfu", "lru" or "reuse" (see backend/cache.py). "reuse" fetched 6-11 % fewer
-    # experts than LFU under bevy on the demo (chat, 8-16 requests, 10-30 % cache), but
-    # its bookkeeping cost the 2-core CPU more engine-thread time than the reads saved
-    # (tokens/s the same or 3-7 % lower): it pays where a fetch is long against Python.
+    # "lfu", "lru" or "reuse" (see backend/cache.py). Under bevy on the demo, "reuse"
+    # fetched 2-11 % fewer experts than LFU (and within 5 % of sync at every cache size),
+    # but its bookkeeping runs on the engine thread between jobs: on the 2-core CPU we
+    # measured, tokens/s went from +7 % (8 requests, 10 % cache) to -13 % (16 requests,
+    # 30 %) side by side with LFU. It pays where a fetch is long against that Python.
     eviction: str = "lfu"
     policy: str = "bevy"
     max_active: int = 16  # requests running at once; more wait in the admission queue
