@@ -248,7 +248,7 @@ class ExpertCache:
         self._push(key)
 
     def _push(self, key: Key) -> None:
-        entry = (self._uses.get(key, 0), self._last.get(key, 0), key)
+        entry = self._entry(key)
         if self.policy == "lfu":
             heapq.heappush(self._heap, entry)
             if len(self._heap) > 2 * len(self._lru) + 64:
@@ -266,7 +266,7 @@ class ExpertCache:
 
     def _rebuild_heap(self) -> None:
         """Drop stale entries (uses recorded since, keys pinned again) so the heap stays small."""
-        entries = [(self._uses.get(k, 0), self._last.get(k, 0), k) for k in self._lru]
+        entries = [self._entry(k) for k in self._lru]
         if self.policy == "reuse":
             self._layer_heaps = {}
             for e in entries:
@@ -279,16 +279,20 @@ class ExpertCache:
             self._heap = entries
             heapq.heapify(self._heap)
 
+    def _entry(self, key: Key) -> tuple[int, int, Key]:
+        """``key``'s place in the LFU order: (uses, last use, key), least first."""
+        return (self._uses.get(key, 0), self._last.get(key, 0), key)
+
     def _valid(self, entry: tuple[int, int, Key]) -> bool:
-        uses, last, key = entry
-        return key in self._lru and (uses, last) == (self._uses.get(key, 0), self._last.get(key, 0))
+        """A heap entry still stands: its key is evictable and has had no use since."""
+        return entry[2] in self._lru and entry == self._entry(entry[2])
 
     def _reuse_time(self, layer: int, uses: int) -> float:
         """Expected layer steps until some running request next uses an expert of
         ``layer`` with ``uses`` uses (a step: one of a request's own jobs; requests are
         taken to step at the same pace). Each request passes the layer once per token,
-        the next time after d steps (``set_positions``), and uses the expert on a pass with chance q = uses /
-        passes of the layer, independently. With c_j requests d_j steps away (d_1 < d_2 <
+        the next time after d steps (``set_positions``), and uses the expert on a pass
+        with chance q = uses / passes of the layer, independently. With c_j requests d_j steps away (d_1 < d_2 <
         ...), the first use comes at d_j with chance m_j (1 - (1 - q)^c_j), where m_j =
         (1 - q)^(c_1 + ... + c_(j-1)), or in none of this walk's passes, m = (1 - q)^N,
         and then the same again a walk (L steps) later:
@@ -367,7 +371,7 @@ class ExpertCache:
             del self._lru[key]
             return key
         # No layer has an unwanted candidate: the least used evictable entry.
-        key = min((self._uses.get(k, 0), self._last.get(k, 0), k) for k in self._lru)[2]
+        key = min(self._entry(k) for k in self._lru)[2]
         del self._lru[key]
         return key
 
@@ -380,11 +384,10 @@ class ExpertCache:
         if self.policy == "reuse":
             return self._reuse_victim()
         while self._heap:
-            uses, last, key = heapq.heappop(self._heap)
-            current = (self._uses.get(key, 0), self._last.get(key, 0))
-            if key in self._lru and (uses, last) == current:
-                del self._lru[key]
-                return key
+            entry = heapq.heappop(self._heap)
+            if self._valid(entry):
+                del self._lru[entry[2]]
+                return entry[2]
         # Heap entries went stale faster than they were pushed: rebuild from the evictable set.
         self._rebuild_heap()
         return self._victim()
