@@ -181,6 +181,7 @@ def run_bench(
                 "cache_fraction": c,
                 "storage": plan.storage,
                 "device": plan.device,
+                "eviction": plan.eviction,
                 **med,
                 "slot_format": runs[0]["slot_format"],
                 "tokens_identical_to_reference": all(

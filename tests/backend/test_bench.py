@@ -11,6 +11,7 @@ import pytest
 
 from backend.bench import BenchPlan, format_tables, run_bench
 from backend.models.loader import load_model
+from benchmarks import targets
 from tests.backend.models.tiny import make_tiny_chat
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +47,10 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
     assert all(r["ratio_to_sync"] == 1.0 for r in sync)
     table = format_tables(records)
     assert "agentic, 3 requests, cache 30%" in table and "stored (quantized) bytes" in table
+    # benchmarks/targets.py reads these records: one verdict line per check, each config named
+    assert all(r["eviction"] == "lfu" for r in records)
+    text, _ = targets.report(records)
+    assert "tokens identical to plain generation at agentic 3 req, 30%, ssd, cpu, lfu" in text
     trace = json.loads((tmp_path / "t.bevy.json").read_text())
     lanes = {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert lanes == {1, 2}
