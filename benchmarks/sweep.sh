@@ -10,15 +10,19 @@
 # Run nothing else meanwhile: the policies' figures are compared with each other.
 set -euo pipefail
 out=${1:?usage: sweep.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd) # the runs below work from the repository root
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$root/.venv/bin/python}
+[[ $py == */* ]] && py=$(cd "$(dirname "$py")" && pwd)/$(basename "$py")
 policies=${POLICIES:-bevy,sync,prefetch-gate,prefetch-history}
 tokens=${TOKENS:-64}
-mkdir -p "$out"
+names=()
 cd "$root"
 run() {
     local name=$1
     shift
+    names+=("$out/$name.json")
     echo "== $name: $* ($(date +%T))"
     # shellcheck disable=SC2086  # EXTRA is a list of options
     "$py" -m backend.cli bench --policies "$policies" --tokens "$tokens" --storage ssd \
@@ -30,4 +34,4 @@ for w in chat agentic; do
     run "$w-cache" --workload "$w" --requests 8 --cache 0.1,0.3,0.5,0.7
 done
 echo "== done ($(date +%T))"
-"$py" benchmarks/targets.py "$out"/*.json | tee "$out/targets.md"
+"$py" benchmarks/targets.py "${names[@]}" | tee "$out/targets.md"

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.targets import configurations, main, report, verdicts
+from benchmarks.targets import (
+    BEST_CASE,
+    EXACT,
+    FETCHED,
+    PREFETCH,
+    TARGETS,
+    configurations,
+    main,
+    report,
+    verdicts,
+)
 
 
 def rec(policy: str, requests: int = 8, cache: float = 0.3, **kw) -> dict:
@@ -60,8 +70,8 @@ def test_each_target_can_fail() -> None:
     assert missed(config(bevy=9.0, pf=5.0)) == {(">", "chat 8 req"), (">=", "chat 8 req")}
     # 1.4x sync at the best case and 1.17x the best prefetcher: two ">=" targets missed
     assert {v.target for v in verdicts(config(bevy=14.0)) if not v.met} == {
-        ">= 1.2x best prefetch at 8/16 requests",
-        ">= 1.5x sync where sync's compute and link are closest",
+        PREFETCH,
+        BEST_CASE,
     }
     assert missed(config(fetched_per_step=106.0)) == {("fetched", "chat 8 req")}
     assert missed(config(fetched_per_step=104.0)) == set()
@@ -70,9 +80,11 @@ def test_each_target_can_fail() -> None:
 
 def test_prefetch_target_only_at_8_and_16_requests() -> None:
     found = verdicts(config(requests=2, pf=19.0) + config(requests=16, pf=19.0))
-    pf = [v for v in found if "prefetch" in v.target]
+    pf = [v for v in found if v.target == PREFETCH]
     assert [v.config.split(",")[0] for v in pf] == ["chat 16 req"] and not pf[0].met
-    assert "prefetch-gate, unused 50 %" in pf[0].value
+    assert pf[0].value == (
+        "1.05x prefetch-gate (unused prefetches: prefetch-gate 50 %, prefetch-history 50 %)"
+    )
 
 
 def test_best_case_is_where_sync_compute_and_link_are_closest() -> None:
@@ -109,3 +121,41 @@ def test_main_reads_files_and_exits_by_verdict(tmp_path: Path, capsys) -> None:
     assert main([str(tmp_path / "junk.json")]) == 2
     (tmp_path / "other.json").write_text(json.dumps([{"policy": "bevy"}]))
     assert main([str(tmp_path / "other.json")]) == 2
+
+
+def test_exactness_covers_every_policy_and_configuration() -> None:
+    rows = config()
+    rows[1]["tokens_identical_to_reference"] = False  # sync's, not bevy's
+    assert missed(rows) == {("tokens", "chat 8 req")}
+    found = [v for v in verdicts(rows) if v.target == EXACT]
+    assert [v.value for v in found] == ["sync"]
+    # A configuration without bevy still has its tokens checked; what needs bevy is not.
+    no_bevy = rows[1:]
+    found = verdicts(no_bevy)
+    assert [(v.target, v.met) for v in found if v.met is not None] == [(EXACT, False)]
+    assert {v.target for v in found if v.met is None} == set(TARGETS) - {EXACT}
+    text, ok = report(no_bevy)
+    assert not ok and "NOT CHECKED: step/bound <= 1.15" in text
+
+
+def test_no_fetches_and_no_link_time() -> None:
+    rows = config(fetched_per_step=0.0)
+    rows[1].update(fetched_per_step=0.0, link_busy_s=0.0)  # all experts cached
+    found = {v.target: v for v in verdicts(rows)}
+    assert found[FETCHED].met is True and "+0.0 %" in found[FETCHED].value
+    assert found[BEST_CASE].met is None  # no balance of compute and link to speak of
+    text, ok = report(rows)
+    assert not ok and "1 targets not checked" in text
+    rows[0]["fetched_per_step"] = 3.0  # bevy fetched where sync did not
+    assert {v.target: v for v in verdicts(rows)}[FETCHED].met is False
+
+
+def test_unrecorded_eviction_and_one_best_case_per_eviction() -> None:
+    old = [{k: v for k, v in r.items() if k != "eviction"} for r in config()]
+    assert verdicts(old)[0].config == "chat 8 req, 30%, ssd, cpu, unrecorded"
+    reuse = [dict(r, eviction="reuse") for r in config(requests=16, bevy=12.0)]
+    found = [v for v in verdicts(config() + reuse) if v.target == BEST_CASE]
+    assert [(v.config, v.met) for v in found] == [
+        ("chat 8 req, 30%, ssd, cpu, lfu", True),
+        ("chat 16 req, 30%, ssd, cpu, reuse", False),
+    ]
