@@ -12,6 +12,7 @@ bevy models list|add|pull-demo|info
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -170,10 +171,18 @@ def _sampling(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace):
+    """The command's model. It and everything loaded with it (torch, the model's Python
+    objects) live until the process ends, so they leave the collector's generations: a
+    full collection walking them (~400,000 objects with the demo MoE) held the interpreter
+    lock for 0.17-0.19 s here, stalling the engine thread and every stream of `bevy serve`
+    (and the timed window of `bevy bench`) once in a while. The app does the same after
+    each load (``app.bridge``)."""
     from backend.demo import ensure_demo
     from backend.service import open_model
 
-    return open_model(args.model if args.model is not None else ensure_demo(), args.device)
+    model = open_model(args.model if args.model is not None else ensure_demo(), args.device)
+    gc.freeze()
+    return model
 
 
 def _messages(args: argparse.Namespace, history: list[dict]) -> list[dict]:

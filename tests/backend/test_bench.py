@@ -91,3 +91,27 @@ def test_bench_cli_rejects_unknown_policy(chat_model: Path) -> None:
         and "unknown policy 'turbo'" in done.stderr
         and "Traceback" not in done.stderr
     )
+
+
+def test_cli_commands_freeze_what_they_load(chat_model: Path) -> None:
+    """A command's model (and torch) leave the collector's generations once loaded: a
+    full collection then walks only what came after (in a subprocess: freezing this test
+    process would keep its garbage from ever being collected)."""
+    code = (
+        "import gc, sys\n"
+        "from backend import cli\n"
+        "args = cli.build_parser().parse_args(['bench', '--model', sys.argv[1]])\n"
+        "cli._load(args)\n"
+        "gc.collect()\n"
+        "print(gc.get_freeze_count(), len(gc.get_objects()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(chat_model)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    frozen, tracked = map(int, done.stdout.split())
+    assert frozen > 50_000 and tracked < frozen // 20
