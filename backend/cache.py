@@ -292,10 +292,10 @@ class ExpertCache:
         ``layer`` with ``uses`` uses (a step: one of a request's own jobs; requests are
         taken to step at the same pace). Each request passes the layer once per token,
         the next time after d steps (``set_positions``), and uses the expert on a pass
-        with chance q = uses / passes of the layer, independently. With c_j requests d_j steps away (d_1 < d_2 <
-        ...), the first use comes at d_j with chance m_j (1 - (1 - q)^c_j), where m_j =
-        (1 - q)^(c_1 + ... + c_(j-1)), or in none of this walk's passes, m = (1 - q)^N,
-        and then the same again a walk (L steps) later:
+        with chance q = uses / passes of the layer, independently. With c_j requests d_j
+        steps away (d_1 < d_2 < ...), the first use comes at d_j with chance
+        m_j (1 - (1 - q)^c_j), where m_j = (1 - q)^(c_1 + ... + c_(j-1)), or in none of
+        this walk's passes, m = (1 - q)^N, and then the same again a walk (L steps) later:
         T = (sum_j d_j m_j (1 - (1 - q)^c_j) + m L) / (1 - m)."""
         passes = self._passes.get(layer, 0)
         memo = (layer, uses, passes)
