@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -c 'from backend.demo import ensure_demo; ensure_demo()'
+	$(PY) -c 'from backend.demo.build import ensure_demo; ensure_demo()'
 
 run: demo
 	$(VENV)/bin/bevy

@@ -16,8 +16,16 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from app.throttle import Throttle
-from backend.config import EngineConfig, SamplingParams
-from backend.messages import ErrorEvent, Finished, MetricsSnapshot, Submit, TokenEvent
+from backend import api
+from backend.api import (
+    EngineConfig,
+    ErrorEvent,
+    Finished,
+    MetricsSnapshot,
+    SamplingParams,
+    Submit,
+    TokenEvent,
+)
 
 
 class Bridge(QObject):
@@ -43,7 +51,7 @@ class Bridge(QObject):
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.service = None  # backend.service.EngineService once loaded
+        self.service = None  # api.open_service's service once loaded
         self.model_path: Path | None = None
         self.config: EngineConfig | None = None
         self.state = "stopped"
@@ -105,18 +113,11 @@ class Bridge(QObject):
     def _load_worker(
         self, generation: int, holder: list, model_path: str | Path | None, config: EngineConfig
     ) -> None:
-        from backend.service import EngineService, resolve_device
-
         try:
             if holder:
                 holder.pop().close()  # in-flight replies end with Finished(abort) / ErrorEvent
                 gc.collect()  # free the old model before the new one loads beside it
-            if model_path is None:
-                from backend.demo import ensure_demo
-
-                model_path = ensure_demo(quiet=True)
-            resolved = EngineConfig(**{**vars(config), "device": resolve_device(config.device)})
-            service = EngineService.open(model_path, resolved, progress=self._progress.emit)
+            service, resolved = api.open_service(model_path, config, progress=self._progress.emit)
         except Exception as exc:  # any failure is shown in the window, never a crash
             self._loaded.emit(generation, None, config, f"{exc}")
             return
@@ -253,10 +254,8 @@ class Bridge(QObject):
         return ""
 
     def _start_api_server(self, host: str, port: int, key: str | None) -> str:
-        from backend.serve import start_server
-
         try:
-            self._api = start_server(self.service, host=host, port=port, api_key=key)
+            self._api = api.start_api_server(self.service, host, port, key)
         except Exception as exc:  # port in use and the like: reported in settings
             self.api_changed.emit("")
             return str(exc)

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry(argv: list[str] | None = None) -> int:
     """The ``bevy`` command: the app with no arguments, else the command line."""
-    from backend.cli import main as cli_main
+    from backend.api import run_cli as cli_main
 
     argv = sys.argv[1:] if argv is None else argv
     if argv:

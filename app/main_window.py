@@ -32,7 +32,7 @@ from app.store import Store, StoreError
 from app.widgets.chat import ConversationView, InputBox
 from app.widgets.compare import CompareView
 from app.widgets.sessions import SessionList
-from backend.messages import Finished, MetricsSnapshot
+from backend.api import Finished, MetricsSnapshot
 
 RENDER_INTERVAL_MS = 66  # a streaming reply re-renders at most ~15 times a second
 PANEL_STAGGER_MS = 20
@@ -490,7 +490,7 @@ class MainWindow(QMainWindow):
         self.error_box.open()
 
     def open_settings(self) -> SettingsDialog:
-        from backend.catalog import list_models
+        from backend.api import list_models
 
         models = [str(e.path) for e in list_models() if not e.error]
         dialog = SettingsDialog(self.settings, models, self)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.config import EngineConfig, SamplingParams, parse_cache_size
+from backend.api import EngineConfig, SamplingParams, parse_cache_size
 
 DEFAULTS: dict = {
     "model": "",  # empty: the demo MoE

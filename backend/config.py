@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from backend.cache import EVICTION_POLICIES
+from backend.policies import EVICTION_POLICIES, policy_fields
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class EngineConfig:
         "ssd"  # "ssd": experts read from the model file with O_DIRECT; "host": all in RAM
     )
     cache: str = "0.3"  # fraction, percentage, count or size (see parse_cache_size)
-    # "lfu", "lru" or "reuse" (see backend/cache.py). Under bevy on the demo, "reuse"
+    # "lfu", "lru" or "reuse" (see backend/engine/cache.py). Under bevy on the demo, "reuse"
     # fetched 2-11 % fewer experts than LFU (and within 5 % of sync at every cache size),
     # but its bookkeeping runs on the engine thread between jobs: on the 2-core CPU we
     # measured, tokens/s went from +7 % (8 requests, 10 % cache) to -13 % (16 requests,
@@ -113,6 +113,4 @@ class EngineConfig:
             raise ValueError(f"working_set_mib must be >= 0, got {self.working_set_mib}")
         if self.kv_budget_mib < 1:
             raise ValueError(f"kv_budget_mib must be >= 1, got {self.kv_budget_mib}")
-        from backend.scheduler import make_policy
-
-        make_policy(self.policy)  # raises ValueError naming the known policies
+        policy_fields(self.policy)  # raises ValueError naming the known policies

@@ -38,7 +38,7 @@ tests)
     exit "${PIPESTATUS[0]}"
     ;;
 bench)
-    "$py" -c 'from backend.demo import ensure_demo; print(ensure_demo())' || exit 1
+    "$py" -c 'from backend.demo.build import ensure_demo; print(ensure_demo())' || exit 1
     limit=${BEVY_BENCH_LIMIT:-150}
     policies=bevy,sync,prefetch-gate,prefetch-history
     n=0
@@ -50,7 +50,7 @@ bench)
             set -- $cfg
             n=$((n + 1))
             echo "== bench $cfg, slots $fmt" | tee -a "$out/cuda_bench.log"
-            timeout "$limit" "$py" -m backend.cli bench --device cuda --storage host \
+            timeout "$limit" "$py" -m backend.serving.cli bench --device cuda --storage host \
                 --policies "$policies" --workload "$1" --requests "$2" --cache "$3" \
                 --tokens "${BEVY_BENCH_TOKENS:-64}" --slot-format "$fmt" \
                 --json "$out/cuda_$n.json" 2>&1 | tee -a "$out/cuda_bench.log"

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from backend.config import EngineConfig, SamplingParams
-from backend.engine import Engine
-from backend.formats.gguf_export import write_gguf
-from backend.formats.quants import QType
+from backend.engine.loop import Engine
+from backend.kernels.quants import QType
 from backend.messages import Finished, Submit
+from backend.models.gguf_export import write_gguf
 from backend.models.loader import LoadedModel, load_model
 
 

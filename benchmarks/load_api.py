@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend.workloads import load_workload  # noqa: E402
+from backend.bench.workloads import load_workload  # noqa: E402
 
 
 @dataclass
@@ -93,7 +93,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "backend.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "backend.serving.cli", "serve", "--port", str(port)]
     cmd += ["--cache", args.cache, "--max-queue", str(max(64, args.clients))]
     if args.model:
         cmd += ["--model", str(args.model)]

@@ -1,8 +1,8 @@
-"""Time the native Q4 expert kernel (``backend/formats/native_q4.c``) per row count.
+"""Time the native Q4 expert kernel (``backend/kernels/native_q4.c``) per row count.
 
     python benchmarks/q4_kernels.py                        # this tree's kernel
     python benchmarks/q4_kernels.py --against OLD.c        # paired A/B against another source
-    git show HEAD~1:backend/formats/native_q4.c > /tmp/old.c && python benchmarks/q4_kernels.py --against /tmp/old.c
+    git show HEAD~1:backend/kernels/native_q4.c > /tmp/old.c && python benchmarks/q4_kernels.py --against /tmp/old.c
     python benchmarks/q4_kernels.py --against OLD.c --decode --requests 8 --cache 0.7
 
 ``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
@@ -30,8 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backend.formats import native  # noqa: E402
-from backend.formats.quants import QType  # noqa: E402
+from backend.kernels import native  # noqa: E402
+from backend.kernels.quants import QType  # noqa: E402
 
 HIDDEN, INNER, EXPERTS = 576, 1536, 64
 
@@ -115,8 +115,8 @@ def main() -> int:
 
 def decode(builds: dict, args: argparse.Namespace) -> int:
     """Decode tokens/s of each policy on each build, interleaved, with median per pair."""
-    from backend.bench import BenchPlan, prompts_for, run_once
-    from backend.demo import ensure_demo
+    from backend.bench.runner import BenchPlan, prompts_for, run_once
+    from backend.demo.build import ensure_demo
     from backend.models.loader import load_model
 
     model = load_model(ensure_demo())

@@ -25,7 +25,7 @@ run() {
     names+=("$out/$name.json")
     echo "== $name: $* ($(date +%T))"
     # shellcheck disable=SC2086  # EXTRA is a list of options
-    "$py" -m backend.cli bench --policies "$policies" --tokens "$tokens" --storage ssd \
+    "$py" -m backend.serving.cli bench --policies "$policies" --tokens "$tokens" --storage ssd \
         "$@" ${EXTRA:-} --json "$out/$name.json" >"$out/$name.log" 2>&1 ||
         { tail -20 "$out/$name.log"; exit 1; }
 }

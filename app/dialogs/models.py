@@ -21,8 +21,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from backend import catalog
-from backend.errors import BevyError
+from backend import api
+from backend.api import BevyError
 
 COLUMNS = ("Name", "Architecture", "Experts/layer", "Top-k", "Quant", "Size", "Path")
 
@@ -72,7 +72,7 @@ class ModelManager(QDialog):
         self.refresh()
 
     def refresh(self) -> None:
-        entries = catalog.list_models()
+        entries = api.list_models()
         self.table.setRowCount(len(entries))
         for row, e in enumerate(entries):
             cells = (
@@ -81,7 +81,7 @@ class ModelManager(QDialog):
                 str(e.experts_per_layer),
                 str(e.top_k),
                 e.quant,
-                catalog.format_size(e.size_bytes),
+                api.format_size(e.size_bytes),
                 str(e.path),
             )
             for col, text in enumerate(cells):
@@ -112,7 +112,7 @@ class ModelManager(QDialog):
     def add_path(self, path: str | Path) -> bool:
         """Validate and register a model; a bad one shows an error and changes nothing."""
         try:
-            entry = catalog.add_model(path)
+            entry = api.add_model(path)
         except BevyError as exc:
             self.show_error("This model cannot be used", str(exc))
             return False
@@ -133,10 +133,8 @@ class ModelManager(QDialog):
         self.status.setText("Building the demo MoE (download, calibration, writing)…")
 
         def work() -> None:
-            from backend.demo import ensure_demo
-
             try:
-                self._demo_done.emit(str(ensure_demo(quiet=True)), "")
+                self._demo_done.emit(str(api.ensure_demo(quiet=True)), "")
             except Exception as exc:  # network, disk full: shown, never a crash
                 self._demo_done.emit("", str(exc))
 

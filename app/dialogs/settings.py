@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.settings import DEVICES, POLICIES, STORAGES, engine_config, sampling
-from backend.scheduler import POLICY_NOTES
+from backend.api import POLICY_NOTES
 
 
 def _combo(values: tuple[str, ...], current: str) -> QComboBox:

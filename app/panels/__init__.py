@@ -16,7 +16,7 @@ from app.panels.overlap import OverlapPanel, intersect_intervals, merge_interval
 from app.panels.progress import ProgressPanel, RequestTableModel
 from app.panels.throughput import ThroughputPanel
 from app.throttle import Throttle
-from backend.messages import MetricsSnapshot
+from backend.api import MetricsSnapshot
 
 
 class PanelSet(QWidget):

@@ -20,7 +20,7 @@ from app.panels._theme import (
     style_plot,
     theme_for,
 )
-from backend.messages import MetricsSnapshot
+from backend.api import MetricsSnapshot
 
 
 class OccupancyBar(QWidget):

@@ -17,7 +17,7 @@ from PySide6.QtGui import QBrush, QColor, QFont, QFontMetrics, QPainter
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.panels._theme import PanelTheme, ThemedPanel, make_plot, style_plot, theme_for
-from backend.messages import MetricsSnapshot
+from backend.api import MetricsSnapshot
 
 # Rows of the timeline, bottom to top, as (y0, height); "both" is thinner so it reads as a
 # marker between the two lanes rather than a third resource.

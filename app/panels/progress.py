@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.panels._theme import PanelTheme, ThemedPanel, set_swatch, theme_for
-from backend.messages import MetricsSnapshot, RequestProgress
+from backend.api import MetricsSnapshot, RequestProgress
 
 STATES = ("computing", "ready", "waiting", "queued")
 STATE_LABELS = {

@@ -18,7 +18,7 @@ from PySide6.QtGui import QColor, QFont
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app.panels._theme import PanelTheme, ThemedPanel, make_plot, style_plot, theme_for
-from backend.messages import MetricsSnapshot
+from backend.api import MetricsSnapshot
 
 
 class ThroughputPanel(ThemedPanel):

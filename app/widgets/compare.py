@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (
 from app.panels._theme import make_plot, theme_for
 from app.panels.overlap import IntervalsItem, intersect_intervals
 from app.settings import POLICIES
-from backend.scheduler import POLICY_NOTES
+from backend.api import POLICY_NOTES
 
 COLUMNS = ("Policy", "tok/s", "× sync", "Hit rate", "Both busy", "Compute wait", "Exact")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from backend.errors import ModelLoadError
-from backend.formats.quants import SUPPORTED, QType, tensor_nbytes
 from backend.formats.tensors import TensorRef
+from backend.kernels.quants import SUPPORTED, QType, tensor_nbytes
 
 GGUF_MAGIC = b"GGUF"
 

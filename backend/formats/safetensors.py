@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.errors import ModelLoadError
-from backend.formats.quants import QType
 from backend.formats.tensors import TensorRef
+from backend.kernels.quants import QType
 
 _DTYPES = {"F32": QType.F32, "F16": QType.F16, "BF16": QType.BF16}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from backend.formats.quants import QType, dequantize, tensor_nbytes
+from backend.kernels.quants import QType, dequantize, tensor_nbytes
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from backend.errors import ModelLoadError
-from backend.formats import native
-from backend.formats.dense_kernels import FusedWeight
 from backend.formats.gguf import GGUFFile, is_gguf, read_gguf
-from backend.formats.qmatmul import FUSABLE
-from backend.formats.quants import QType
 from backend.formats.safetensors import HFFolder, is_hf_folder, read_hf_folder
 from backend.formats.tensors import MappedFiles, TensorRef
+from backend.kernels import native
+from backend.kernels.dense import FusedWeight
+from backend.kernels.qmatmul import FUSABLE
+from backend.kernels.quants import QType
 from backend.models import registry
 from backend.models.common import (
     Family,
@@ -40,7 +40,7 @@ class LoadedModel:
     transformer: Transformer
     experts: list[list[ExpertRef]]  # [layer][expert]; empty list for dense layers
     files: MappedFiles
-    tokenizer: object | None  # backend.formats.tokenizer.Tokenizer
+    tokenizer: object | None  # backend.text.tokenizer.Tokenizer
     quant: str
     size_bytes: int
     dense_refs: dict[str, TensorRef]  # canonical name -> where the resident weight came from
@@ -293,11 +293,11 @@ def _tokenizer(path: Path, src: GGUFFile | HFFolder) -> object | None:
     if isinstance(src, GGUFFile):
         if "tokenizer.ggml.tokens" not in src.metadata:
             return None
-        from backend.formats.tokenizer import Tokenizer
+        from backend.text.tokenizer import Tokenizer
 
         return Tokenizer.from_gguf_metadata(src.metadata, path)
     if not (path / "tokenizer.json").exists():
         return None
-    from backend.formats.tokenizer import Tokenizer
+    from backend.text.tokenizer import Tokenizer
 
     return Tokenizer.from_hf_folder(path)

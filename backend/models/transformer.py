@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from backend.formats import native
-from backend.formats.dense_kernels import FusedWeight, dense_linear, warm_up_dense
+from backend.kernels import native
+from backend.kernels.dense import FusedWeight, dense_linear, warm_up_dense
 from backend.models.config import ModelConfig
 from backend.models.weights import ExpertRef, ExpertWeights
 

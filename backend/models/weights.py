@@ -52,7 +52,7 @@ def dequantize_slot(
     Like ``dequantize``, float-typed parts already in ``dtype`` may be views of the buffer:
     use them only while the buffer (a pinned cache slot) keeps its contents.
     """
-    from backend.formats.quants import dequantize
+    from backend.kernels.quants import dequantize
 
     flat = slot_row.reshape(-1)
     out = [

@@ -14,7 +14,7 @@ from app.settings import DEFAULTS
 from app.store import Store
 from backend.config import EngineConfig, SamplingParams
 from backend.messages import Finished, Submit
-from backend.service import EngineService
+from backend.serving.service import EngineService
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 PROMPTS = ["Tell me about rivers.", "Write a haiku on caches.", "What is 12 times 7?"]

@@ -29,7 +29,7 @@ def test_has_display(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bevy_demo_runs_headless_sessions(tiny_chat_moe: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
     done = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "demo", "--model", str(tiny_chat_moe), "--sessions", "3", "--max-tokens", "5", "--cache", "0.5"],
+        [sys.executable, "-m", "backend.serving.cli", "demo", "--model", str(tiny_chat_moe), "--sessions", "3", "--max-tokens", "5", "--cache", "0.5"],
         capture_output=True, text=True, cwd=ROOT, timeout=300, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -38,9 +38,30 @@ def test_bevy_demo_runs_headless_sessions(tiny_chat_moe: Path) -> None:
 
 def test_bevy_demo_bad_cache_is_one_clear_error(tiny_chat_moe: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "backend.cli", "demo", "--model", str(tiny_chat_moe), "--cache", "1"],
+        [sys.executable, "-m", "backend.serving.cli", "demo", "--model", str(tiny_chat_moe), "--cache", "1"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.startswith("bevy: error:") and "legal minimum" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_importing_the_app_and_its_backend_surface_loads_no_torch() -> None:
+    """The window must appear before torch loads: every app module and ``backend.api``
+    import without it (the engine comes in on the loader thread, through api calls)."""
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for p in (ROOT / "app").rglob("*.py")
+        if p.name != "__main__.py"
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for m in {['backend.api', *modules]!r}:\n"
+        "    importlib.import_module(m)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.backend.pagecache import fs_type
+from tests.helpers.pagecache import fs_type
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from backend.config import EngineConfig, SamplingParams
-from backend.engine import Engine
-from backend.fetcher import Fetcher
-from backend.formats.gguf_export import write_gguf
-from backend.formats.quants import QType
+from backend.engine.fetcher import Fetcher
+from backend.engine.loop import Engine
+from backend.engine.store import open_store
+from backend.engine.telemetry import Telemetry
+from backend.kernels.quants import QType
 from backend.messages import Finished, Submit
+from backend.models.gguf_export import write_gguf
 from backend.models.loader import load_model
-from backend.store import open_store
-from backend.telemetry import Telemetry
-from tests.backend.models.test_parity import greedy_logits
-from tests.backend.models.tiny import make_tiny
+from tests.helpers.reference import greedy_logits
+from tests.helpers.tiny import make_tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -37,8 +37,8 @@ def test_cuda_matches_cpu_reference(
     gguf_path, monkeypatch, policy: str, slot_format: str, storage: str
 ) -> None:
     """Stored slots take the grouped path (``JobRunner._moe_grouped``); decoded ones do not."""
-    from backend.jobs import JobRunner
-    from tests.backend.spy import spy
+    from backend.engine.jobs import JobRunner
+    from tests.helpers.spy import spy
 
     grouped = spy(monkeypatch, JobRunner, "_moe_grouped")
     cpu = load_model(gguf_path)

@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from backend.formats import native
-from backend.formats.gguf_export import write_gguf
-from backend.formats.quants import QType
+from backend.kernels import native
+from backend.kernels.quants import QType
 from backend.models import transformer as transformer_mod
-from backend.models.loader import LoadedModel, load_model
+from backend.models.gguf_export import write_gguf
+from backend.models.loader import load_model
 from backend.models.transformer import KVCache, SeqSlice
-from tests.backend.models.tiny import FAMILY_CONFIGS, hf_logits, make_tiny
-from tests.backend.spy import spy
+from tests.helpers.reference import greedy_logits
+from tests.helpers.spy import spy
+from tests.helpers.tiny import FAMILY_CONFIGS, hf_logits, make_tiny
 
 FAMILIES = list(FAMILY_CONFIGS)
 PROMPT = [3, 17, 42, 5, 88, 9, 1]
@@ -26,23 +27,6 @@ PROMPT = [3, 17, 42, 5, 88, 9, 1]
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {f: make_tiny(f, root / f) for f in FAMILIES}
-
-
-def greedy_logits(
-    model: LoadedModel, prompt: list[int], steps: int, get_expert=None
-) -> tuple[list[int], torch.Tensor]:
-    """Prefill then ``steps`` greedy decode steps; logits at every predicting position."""
-    t = model.transformer
-    get_expert = get_expert or model.resident_experts().get
-    kv = KVCache(model.config.n_layers)
-    ids = list(prompt)
-    out = [t.forward(torch.tensor(ids), [SeqSlice(kv, 0, len(ids))], get_expert)[0]]
-    for _ in range(steps):
-        ids.append(int(out[-1].argmax()))
-        out.append(
-            t.forward(torch.tensor(ids[-1:]), [SeqSlice(kv, len(ids) - 1, 1)], get_expert)[0]
-        )
-    return ids, torch.stack(out)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,94 @@
+"""The backend as the desktop app sees it: ``app/`` imports this module and no other.
+
+Importing it loads no torch (a test checks): the names below are plain dataclasses and
+tables, and everything that runs a model goes through a function that imports the
+engine when it is first called, on the loader thread, so the window appears at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from backend.config import EngineConfig, SamplingParams, parse_cache_size
+from backend.errors import BevyError
+from backend.messages import (
+    Abort,
+    ErrorEvent,
+    Event,
+    Finished,
+    MetricsSnapshot,
+    RequestProgress,
+    Submit,
+    TokenEvent,
+)
+from backend.policies import POLICIES, POLICY_NOTES
+from backend.serving.catalog import ModelEntry, add_model, format_size, list_models
+
+if TYPE_CHECKING:
+    from backend.serving.http import ServerHandle
+    from backend.serving.service import EngineService
+
+__all__ = [
+    "POLICIES",
+    "POLICY_NOTES",
+    "Abort",
+    "BevyError",
+    "EngineConfig",
+    "ErrorEvent",
+    "Event",
+    "Finished",
+    "MetricsSnapshot",
+    "ModelEntry",
+    "RequestProgress",
+    "SamplingParams",
+    "Submit",
+    "TokenEvent",
+    "add_model",
+    "ensure_demo",
+    "format_size",
+    "list_models",
+    "open_service",
+    "parse_cache_size",
+    "run_cli",
+    "start_api_server",
+]
+
+
+def ensure_demo(quiet: bool = True) -> Path:
+    """The embedded demo MoE's path, built first if it is not in the cache yet."""
+    from backend.demo.build import ensure_demo as build
+
+    return build(quiet=quiet)
+
+
+def open_service(
+    model_path: str | Path | None,
+    config: EngineConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[EngineService, EngineConfig]:
+    """Load a model (the demo MoE when ``model_path`` is None) and start its engine.
+    Returns the running service and the config with ``device="auto"`` resolved."""
+    from backend.serving.service import EngineService, resolve_device
+
+    if model_path is None:
+        model_path = ensure_demo()
+    resolved = EngineConfig(**{**vars(config), "device": resolve_device(config.device)})
+    return EngineService.open(model_path, resolved, progress=progress), resolved
+
+
+def start_api_server(
+    service: EngineService, host: str, port: int, api_key: str | None
+) -> ServerHandle:
+    """Serve ``service``'s OpenAI-compatible API on a background thread."""
+    from backend.serving.http import start_server
+
+    return start_server(service, host=host, port=port, api_key=api_key)
+
+
+def run_cli(argv: list[str]) -> int:
+    """The ``bevy`` command line (``bevy --help``)."""
+    from backend.serving.cli import main
+
+    return main(argv)

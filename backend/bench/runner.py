@@ -1,0 +1,310 @@
+"""``bevy bench``: policies side by side on the same model, prompts and machine.
+
+Policies run interleaved (A B C A B C ...) so drift of the machine cancels. Each run
+starts a fresh engine (cold cache), submits N prompts at once, and measures the decode
+phase: from the moment every request has its first token to the last token.
+Every run's tokens are checked against plain in-memory greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.bench.workloads import load_workload
+from backend.config import EngineConfig, SamplingParams
+from backend.engine.loop import Engine, short_switch_interval
+from backend.engine.telemetry import coalesce
+from backend.errors import BevyError
+from backend.messages import ErrorEvent, Submit, TokenEvent
+from backend.models.generate import chat_prompt_ids, greedy_reference
+from backend.models.loader import LoadedModel
+
+SLOT_NOTES = {
+    "stored": "A cache slot holds one expert's stored (quantized) bytes. Compute reads them directly (a fused kernel for Q4_0/Q4_1 experts with few rows, on the CPU) or dequantizes them on use; either way it is counted as compute time.",
+    "decoded": "A cache slot holds one expert's weights dequantized to the compute dtype; dequantization happens once per fetch and is counted as link time.",
+}
+LINK_NOTE = "Link time: the read from the store (O_DIRECT from the model file for --storage ssd, a RAM copy for host), the decode if any, and the copy to the device on CUDA."
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    policies: tuple[str, ...] = ("bevy", "sync", "prefetch-gate", "prefetch-history")
+    workloads: tuple[str, ...] = ("chat",)
+    requests: tuple[int, ...] = (8,)
+    caches: tuple[float, ...] = (0.3,)
+    tokens: int = 64
+    storage: str = "ssd"
+    device: str = "cpu"
+    repeats: int = 1
+    eviction: str = "lfu"
+    slot_format: str = "auto"
+    keep_lanes: bool = False  # records carry each lane's busy intervals (compare view)
+
+
+def prompts_for(model: LoadedModel, workload: str, n: int) -> list[list[int]]:
+    records = load_workload(workload)
+    return [
+        chat_prompt_ids(
+            model, records[i % len(records)]["messages"], records[i % len(records)].get("tools")
+        )
+        for i in range(n)
+    ]
+
+
+def run_once(
+    model: LoadedModel,
+    policy: str,
+    prompts: list[list[int]],
+    cache: float,
+    plan: BenchPlan,
+    trace: Path | None = None,
+) -> dict:
+    cfg = EngineConfig(
+        device=plan.device,
+        storage=plan.storage,
+        cache=str(cache),
+        eviction=plan.eviction,
+        policy=policy,
+        max_active=len(prompts),
+        kv_budget_mib=1 << 16,
+        metrics_interval_s=3600,
+        slot_format=plan.slot_format,
+    )
+    eng = Engine(model, cfg)
+    short_switch_interval()  # as the engine thread runs in the app and `bevy serve`
+    params = SamplingParams(temperature=0.0, max_tokens=plan.tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.submit(Submit(f"b{i}", params, prompt_ids=p))
+    try:
+        tokens: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
+        mark = None
+        t_start = time.perf_counter()
+        while eng.has_work:
+            eng.step()
+            while not eng.events.empty():
+                ev = eng.events.get()
+                if isinstance(ev, TokenEvent) and ev.token_id >= 0:
+                    tokens[ev.request_id].append(ev.token_id)
+                elif isinstance(ev, ErrorEvent):
+                    raise BevyError(f"bench request {ev.request_id} failed: {ev.message}")
+            if mark is None and all(tokens.values()):
+                s = eng.cache.stats
+                mark = (
+                    time.perf_counter(),
+                    s.hits,
+                    s.misses,
+                    eng.telemetry.fetched,
+                    sum(len(t) for t in tokens.values()),
+                )
+    except BaseException:
+        eng.close()
+        raise
+    t_end = time.perf_counter()
+    assert mark is not None
+    t0, hits0, misses0, fetched0, tok0 = mark
+    window = eng.telemetry.window(t0, t_end)
+    n_decode = sum(len(t) for t in tokens.values()) - tok0
+    steps = n_decode / len(prompts)
+    s = eng.cache.stats
+    lookups = (s.hits - hits0) + (s.misses - misses0)
+    record = {
+        "policy": policy,
+        "tokens_per_s": n_decode / window["wall_s"],
+        "compute_busy_s": window["compute_busy_s"],
+        "link_busy_s": window["link_busy_s"],
+        "wall_s": window["wall_s"],
+        "both_busy_frac": window["both_busy_frac"],
+        "compute_wait_frac": window["compute_wait_frac"],
+        "fetched_per_step": (eng.telemetry.fetched - fetched0) / steps if steps else 0.0,
+        "hit_rate": (s.hits - hits0) / lookups if lookups else 0.0,
+        "unused_prefetch": eng.prefetcher.unused_fraction() if eng.prefetcher else 0.0,
+        "step_over_bound": window["wall_s"]
+        / max(window["compute_busy_s"], window["link_busy_s"], 1e-9),
+        "prefill_s": t0 - t_start,
+        "cache_slots": eng.cache.n_slots,
+        "slot_format": eng.slot_format,
+        "tokens": [tokens[f"b{i}"] for i in range(len(prompts))],
+    }
+    if plan.keep_lanes:
+        link, comp = eng.telemetry.lanes(t0, t_end)
+        rel = lambda lane: [(s - t0, e - t0) for s, e in coalesce(lane, 5e-4)]  # noqa: E731
+        record["lanes"] = {"link": rel(link), "compute": rel(comp)}
+    if trace is not None:
+        eng.telemetry.write_chrome_trace(trace)
+    eng.close()
+    return record
+
+
+def run_bench(
+    model: LoadedModel, plan: BenchPlan, trace: Path | None = None, log=print
+) -> list[dict]:
+    configs = [(w, n, c) for w in plan.workloads for n in plan.requests for c in plan.caches]
+    results: dict[tuple, list[dict]] = {}
+    references: dict[tuple, list[list[int]]] = {}
+    prompts: dict[tuple, list[list[int]]] = {}
+    for w, n, _ in configs:
+        if (w, n) not in prompts:
+            prompts[(w, n)] = prompts_for(model, w, n)
+            log(f"reference: plain greedy decoding of {n} {w} prompts ({plan.tokens} tokens) ...")
+            references[(w, n)] = greedy_reference(model, prompts[(w, n)], plan.tokens)
+    for rep in range(plan.repeats):
+        for w, n, c in configs:
+            for policy in plan.policies:
+                t = None
+                if trace is not None and rep == 0 and (w, n, c) == configs[0]:
+                    t = trace.with_name(
+                        f"{trace.stem}.{policy.replace(':', '_')}{trace.suffix or '.json'}"
+                    )
+                log(
+                    f"[{rep + 1}/{plan.repeats}] {w} x{n} cache {c:.0%} {plan.storage}: {policy} ..."
+                )
+                rec = run_once(model, policy, prompts[(w, n)], c, plan, t)
+                rec["tokens_identical_to_reference"] = rec.pop("tokens") == references[(w, n)]
+                results.setdefault((w, n, c, policy), []).append(rec)
+    records = []
+    for (w, n, c, policy), runs in results.items():
+        med = {
+            k: statistics.median(r[k] for r in runs)
+            for k in runs[0]
+            if isinstance(runs[0][k], float | int) and not isinstance(runs[0][k], bool)
+        }
+        records.append(
+            {
+                "policy": policy,
+                "workload": w,
+                "requests": n,
+                "cache_fraction": c,
+                "storage": plan.storage,
+                "device": plan.device,
+                "eviction": plan.eviction,
+                **med,
+                "slot_format": runs[0]["slot_format"],
+                "tokens_identical_to_reference": all(
+                    r["tokens_identical_to_reference"] for r in runs
+                ),
+                "repeats": len(runs),
+                **({"lanes": runs[0]["lanes"]} if plan.keep_lanes else {}),
+            }
+        )
+    _add_ratios(records)
+    return records
+
+
+def _add_ratios(records: list[dict]) -> None:
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["workload"], r["requests"], r["cache_fraction"]), []).append(r)
+    for rows in groups.values():
+        sync = next((r["tokens_per_s"] for r in rows if r["policy"] == "sync"), None)
+        prefetch = [r["tokens_per_s"] for r in rows if r["policy"].startswith("prefetch")]
+        for r in rows:
+            r["ratio_to_sync"] = r["tokens_per_s"] / sync if sync else None
+            r["ratio_to_best_prefetch"] = r["tokens_per_s"] / max(prefetch) if prefetch else None
+
+
+def format_tables(records: list[dict]) -> str:
+    formats = sorted({r.get("slot_format", "stored") for r in records})
+    out = [SLOT_NOTES[f] for f in formats] + [LINK_NOTE, ""]
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(
+            (r["workload"], r["requests"], r["cache_fraction"], r["storage"], r["device"]), []
+        ).append(r)
+    head = (
+        "policy",
+        "tok/s",
+        "x sync",
+        "x best pf",
+        "compute s",
+        "link s",
+        "both %",
+        "wait %",
+        "fetch/step",
+        "hit %",
+        "unused pf %",
+        "step/bound",
+        "exact",
+    )
+    for (w, n, c, st, dev), rows in groups.items():
+        out.append(f"## {w}, {n} requests, cache {c:.0%}, storage {st}, device {dev}")
+        table = [head]
+        for r in rows:
+            ratio = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+            table.append(
+                (
+                    r["policy"],
+                    f"{r['tokens_per_s']:.2f}",
+                    ratio(r["ratio_to_sync"]),
+                    ratio(r["ratio_to_best_prefetch"]),
+                    f"{r['compute_busy_s']:.1f}",
+                    f"{r['link_busy_s']:.1f}",
+                    f"{100 * r['both_busy_frac']:.0f}",
+                    f"{100 * r['compute_wait_frac']:.0f}",
+                    f"{r['fetched_per_step']:.1f}",
+                    f"{100 * r['hit_rate']:.0f}",
+                    f"{100 * r['unused_prefetch']:.0f}"
+                    if r["policy"].startswith("prefetch") or "prefetch" in r["policy"]
+                    else "-",
+                    f"{r['step_over_bound']:.2f}",
+                    "yes" if r["tokens_identical_to_reference"] else "NO",
+                )
+            )
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        out += [
+            "  ".join(
+                v.rjust(wd) if i else v.ljust(wd)
+                for i, (v, wd) in enumerate(zip(row, widths, strict=True))
+            )
+            for row in table
+        ]
+        out.append("")
+    return "\n".join(out)
+
+
+def write_json(records: list[dict], path: Path) -> None:
+    path.write_text(json.dumps(records, indent=1))
+
+
+def plot(records: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "bevy bench: --plot needs matplotlib (pip install 'bevy-desktop[bench]')",
+            file=sys.stderr,
+        )
+        return
+    labels = sorted({(r["workload"], r["requests"], r["cache_fraction"]) for r in records})
+    policies = sorted({r["policy"] for r in records})
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.4), 4))
+    width = 0.8 / len(policies)
+    for i, p in enumerate(policies):
+        ys = [
+            next(
+                (
+                    r["tokens_per_s"]
+                    for r in records
+                    if r["policy"] == p
+                    and (r["workload"], r["requests"], r["cache_fraction"]) == lab
+                ),
+                0,
+            )
+            for lab in labels
+        ]
+        ax.bar([x + i * width for x in range(len(labels))], ys, width, label=p)
+    ax.set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(labels))],
+        [f"{w}\nx{n} {c:.0%}" for w, n, c in labels],
+    )
+    ax.set_ylabel("decode tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

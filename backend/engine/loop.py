@@ -1,0 +1,647 @@
+"""The engine: one long-lived thread running schedule -> run -> postprocess.
+
+A job is "MoE of layer l + attention and router of layer l+1" for one request. The
+issuer *claims* a job's experts all at once (pins resident ones, reserves slots and
+queues fetches for missing ones) or not at all, so jobs never deadlock on each other's
+pins; the policy orders claims and picks which ready jobs compute together. A job that
+needs more experts than the cache has slots (prefill with a tiny cache) streams them
+through in chunks, accumulating its MoE output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from backend.config import EngineConfig, parse_cache_size
+from backend.engine.cache import ExpertCache
+from backend.engine.fetcher import Fetcher
+from backend.engine.jobs import JobRunner
+from backend.engine.prefetch import Prefetcher
+from backend.engine.request import Request, RequestStatus
+from backend.engine.scheduler import make_policy
+from backend.engine.store import open_store
+from backend.engine.telemetry import Telemetry, coalesce
+from backend.errors import BevyError
+from backend.messages import (
+    Abort,
+    ErrorEvent,
+    Event,
+    Finished,
+    MetricsSnapshot,
+    RequestProgress,
+    Shutdown,
+    Submit,
+    TokenEvent,
+)
+from backend.models.generate import chat_prompt_ids
+from backend.models.loader import LoadedModel
+from backend.models.transformer import KVCache
+from backend.text.sampling import make_generator, sample
+from backend.text.stops import StopMatcher
+
+
+@dataclass(frozen=True)
+class _FetchDone:
+    key: tuple[int, int]
+    layout: tuple[int, int, int] | None
+    error: str | None
+
+
+def short_switch_interval() -> None:
+    # The link thread hands the GIL back after every read; with CPython's default 5 ms
+    # switch interval it would wait behind compute's Python code for each expert.
+    if sys.getswitchinterval() > 0.0005:
+        sys.setswitchinterval(0.0005)
+
+
+class Engine:
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, events: queue.Queue | None = None
+    ) -> None:
+        if not model.config.is_moe:
+            raise BevyError(
+                f"{model.path}: a dense model has no routed experts to offload; use `bevy generate`"
+            )
+        self.model, self.config = model, config
+        self.policy = make_policy(config.policy)
+        self.events: queue.Queue[Event] = events if events is not None else queue.Queue()
+        self._wake: queue.Queue = queue.Queue()
+        device = model.transformer.device
+        self._compute_threads = torch.get_num_threads()
+        self.store = open_store(config.storage, model.experts, pin_memory=device.type == "cuda")
+        c = model.config
+        fmt = config.slot_format
+        if fmt == "auto":
+            fmt = "stored"
+        self.slot_format = fmt
+        decoded_numel = 3 * c.hidden_size * c.expert_intermediate_size
+        dtype = model.transformer.dtype
+        slot_bytes = decoded_numel * dtype.itemsize if fmt == "decoded" else self.store.slot_bytes
+        n_experts = c.n_routed_experts
+        n_slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
+        if n_slots < model.config.top_k:
+            self.store.close()
+            raise ValueError(
+                f"a cache of {n_slots} slots is below the legal minimum of {model.config.top_k} (one token's experts)"
+            )
+        self.cache = ExpertCache(n_slots, config.eviction)
+        if fmt == "decoded":
+            self.slots = torch.empty((n_slots, decoded_numel), dtype=dtype, device=device)
+        elif device.type == "cuda":
+            self.slots = torch.empty(
+                (n_slots, self.store.slot_bytes), dtype=torch.uint8, device=device
+            )
+        else:
+            self.slots = self.store.alloc_slots(n_slots)
+        self.slot_bytes = slot_bytes
+        self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._warm_up_decoders()
+        self.telemetry = Telemetry()
+        # Stored slots keep a bounded set of recently decoded experts (see JobRunner).
+        working_set = 0
+        if fmt == "stored":
+            working_set = (config.working_set_mib << 20) // (decoded_numel * dtype.itemsize)
+        self.jobs = JobRunner(
+            model.transformer, model.experts, self.cache, self.slots, self.layouts, working_set
+        )
+        self.prefetcher = (
+            Prefetcher(self.policy.prefetch, model, self.cache, self.telemetry)
+            if self.policy.prefetch
+            else None
+        )
+        self.jobs.on_route = self._on_route
+        self.fetcher = Fetcher(
+            self.store,
+            self.slots,
+            self.telemetry,
+            lambda k, lay, err: self._wake.put(_FetchDone(k, lay, err)),
+            decode=dtype if fmt == "decoded" else None,
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids: set[str] = set()
+        self._arrivals = itertools.count()
+        self._tick = 0
+        self._stopped = False
+        self._last_metrics = 0.0
+        self.kv_bytes_per_token = (
+            2 * c.n_layers * c.n_kv_heads * c.head_dim * model.transformer.dtype.itemsize
+        )
+        self._thread: threading.Thread | None = None
+        # Tests set this to a dict to receive every request's logits (exactness checks).
+        self.logits_log: dict[str, list[torch.Tensor]] | None = None
+
+    def _warm_up_decoders(self) -> None:
+        """Compile the fused expert decoders and dense-weight kernels now (seconds, once
+        per shape) rather than while the first request waits for its first token."""
+        from backend.kernels import fastquant
+        from backend.kernels.quants import block_shape
+
+        if self.model.transformer.device.type != "cpu":
+            return
+        self.model.transformer.warm_up()
+        shapes = {
+            (p.qtype, p.nbytes // block_shape(p.qtype)[1], block_shape(p.qtype)[1])
+            for layer in self.model.experts
+            for ref in layer[:1]
+            for p in ref.parts
+            if p.qtype in fastquant.KERNELS
+        }
+        for qtype, n_blocks, block_bytes in shapes:
+            fastquant.warm_up(qtype, n_blocks, block_bytes)
+        if self.slot_format == "stored":
+            from backend.kernels import qmatmul
+
+            kinds = {
+                tuple((p.qtype, tuple(p.shape), p.nbytes) for p in layer[0].parts)
+                for layer in self.model.experts
+                if layer
+            }
+            for kind in sorted(kinds):  # the same ones every run if there are too many
+                qmatmul.warm_up(
+                    tuple((torch.zeros(n, dtype=torch.uint8), q, shape) for q, shape, n in kind)
+                )
+
+    # --- public API (any thread) --------------------------------------------------------
+
+    def submit(self, msg: Submit | Abort | Shutdown) -> None:
+        self._wake.put(msg)
+
+    def start(self) -> None:
+        """Run the loop on its own thread."""
+        short_switch_interval()
+        self._thread = threading.Thread(target=self.loop, name="bevy-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self.submit(Shutdown())
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.close()
+
+    def close(self) -> None:
+        self.fetcher.close()
+        self.store.close()
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    @property
+    def has_work(self) -> bool:
+        """Requests in flight, or messages not yet handled."""
+        return not self.idle or not self._wake.empty()
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def loop(self) -> None:
+        # The link thread sets one intra-op thread for itself, which also becomes the
+        # default for threads started later: restore the compute thread's own count.
+        torch.set_num_threads(self._compute_threads)
+        try:
+            while not self._stopped:
+                self.step(block=True)
+        except Exception as exc:  # the engine itself failed: tell every client
+            self._emit(ErrorEvent(None, f"engine failed: {exc!r}"))
+            raise
+
+    def step(self, block: bool = False) -> bool:
+        """One iteration: schedule -> run -> postprocess. Returns whether a job ran (a
+        split run, ``_split``, does not count: no request moved on)."""
+        self._drain(block=False)
+        self._admit()
+        group = self._schedule()
+        if group:
+            self._run(group)
+        elif self.policy.split and (part := self._split()):
+            self._run_split(part)
+        elif block or self.running:
+            self._drain(block=True, timeout=0.05 if self.running else 0.2)
+        self._maybe_metrics()
+        return bool(group)
+
+    def run_until_idle(self, timeout_s: float = 600.0) -> None:
+        """Drive the loop on the calling thread until every request has finished."""
+        short_switch_interval()
+        deadline = time.monotonic() + timeout_s
+        self._drain(block=False)
+        while self.has_work:
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine did not finish in time")
+            self.step(block=False)
+
+    # --- messages -----------------------------------------------------------------------
+
+    def _drain(self, block: bool, timeout: float = 0.0) -> None:
+        try:
+            msg = self._wake.get(timeout=timeout) if block else self._wake.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            try:
+                msg = self._wake.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, _FetchDone):
+            if msg.error is not None:
+                self.cache.cancel(msg.key)
+                self._fail_requests_waiting_on(msg.key, msg.error)
+            else:
+                self.layouts[msg.key] = msg.layout
+                self.cache.complete(msg.key)
+        elif isinstance(msg, Submit):
+            self._on_submit(msg)
+        elif isinstance(msg, Abort):
+            self._finish_by_id(msg.request_id, "abort")
+        elif isinstance(msg, Shutdown):
+            for r in list(self.running) + list(self.waiting):
+                self._finish(r, "abort")
+            self._stopped = True
+
+    def _on_submit(self, msg: Submit) -> None:
+        try:
+            if msg.request_id in self._ids:
+                raise BevyError(f"request id {msg.request_id!r} is already in use")
+            if (msg.messages is None) == (msg.prompt_ids is None):
+                raise BevyError("give exactly one of messages or prompt_ids")
+            ids = (
+                list(msg.prompt_ids)
+                if msg.prompt_ids is not None
+                else chat_prompt_ids(self.model, msg.messages, msg.tools)
+            )
+            if not ids:
+                raise BevyError("the prompt is empty")
+            ctx = self.model.config.context_length
+            if len(ids) >= ctx:
+                raise BevyError(f"the prompt has {len(ids)} tokens; the model's context is {ctx}")
+            vocab = self.model.config.vocab_size
+            if any(type(i) is not int or not 0 <= i < vocab for i in ids):
+                raise BevyError(f"prompt token ids must be in [0, {vocab})")
+            budget = self.config.kv_budget_mib << 20
+            if min(len(ids) + msg.params.max_tokens, ctx) * self.kv_bytes_per_token > budget:
+                raise BevyError(
+                    f"prompt + max_tokens needs more KV cache than the {self.config.kv_budget_mib} MiB budget"
+                )
+        except Exception as exc:  # any bad request fails alone, never the engine
+            self._emit(ErrorEvent(msg.request_id, str(exc)))
+            return
+        tok = self.model.tokenizer
+        r = Request(msg.request_id, ids, msg.params, session=msg.session)
+        r.generator = make_generator(msg.params)
+        r.decoder = tok.stream_decoder() if tok is not None else None
+        r.stops = StopMatcher(msg.params.stop)
+        self._ids.add(r.id)
+        self.waiting.append(r)
+
+    # --- admission ----------------------------------------------------------------------
+
+    def _kv_tokens(self, r: Request) -> int:
+        return min(r.budget_tokens, self.model.config.context_length)
+
+    def _admit(self) -> None:
+        if not self.waiting:
+            return
+        # Lockstep policies add requests only between steps, as llama.cpp's batch does.
+        if self.policy.lockstep and any(r.layer != 0 or r.done for r in self.running):
+            return
+        budget = self.config.kv_budget_mib << 20
+        used = sum(self._kv_tokens(r) for r in self.running) * self.kv_bytes_per_token
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_active:
+            r = self.waiting[0]
+            need = self._kv_tokens(r) * self.kv_bytes_per_token
+            if used + need > budget:
+                break
+            used += need
+            self.waiting.popleft()
+            r.status, r.arrival = RequestStatus.RUNNING, next(self._arrivals)
+            r.kv = KVCache(self.model.config.n_layers, max_len=self._kv_tokens(r))
+            r.start, r.n = 0, len(r.prompt_ids)
+            admitted.append(r)
+        if admitted:
+            t0 = time.perf_counter()
+            self.jobs.start(admitted, [r.prompt_ids for r in admitted])
+            self.telemetry.record_compute(
+                t0,
+                time.perf_counter(),
+                -1,
+                tuple(r.id for r in admitted),
+                sum(r.n for r in admitted),
+            )
+            self.running.extend(admitted)
+
+    # --- schedule: claims and the compute group -----------------------------------------
+
+    def _on_route(self, r: Request) -> None:
+        self.cache.record_pass(r.layer)
+        for e in r.needed:
+            self.cache.record_use((r.layer, e))
+        if self.prefetcher:
+            self.prefetcher.observe(r)
+
+    def _missing(self, r: Request) -> int:
+        return sum(1 for k in r.pending_keys(self.cache.n_slots) if not self.cache.is_present(k))
+
+    def _claim(self) -> None:
+        cache = self.cache
+        blocked = [r for r in self.running if not r.claimed]
+        if self.policy.group_size:
+            allowed = self.policy.static_claimable(self.running)
+            blocked = [r for r in blocked if id(r) in allowed]
+        low = min((r.layer for r in self.running), default=0)
+        if cache.policy == "reuse":
+            # Every expert a request has routed to and not applied yet (a claimed one's
+            # are pinned; a prompt's beyond its current chunk wait for the next).
+            wanted = frozenset(
+                (r.layer, e) for r in self.running for e in r.needed if e not in r.done
+            )
+            cache.set_positions([r.layer for r in self.running], self.model.config.n_layers, wanted)
+        for r in self.policy.claim_order(blocked, self._missing, low):
+            keys = r.pending_keys(cache.n_slots)
+            present = [k for k in keys if cache.is_present(k)]
+            absent = [k for k in keys if not cache.is_present(k)]
+            # Slots for the missing experts must come from outside the ones this job keeps.
+            if len(absent) > cache.n_reservable - cache.n_evictable(present):
+                break  # later claims wait too, so this job gets the next free slots
+            # Pin what is there first, so reserving slots for the rest cannot evict it.
+            for k in present:
+                cache.pin(k)
+            for k in keys:
+                cache.record_lookup(k)  # before reserving: a hit iff ready or loading
+            for k in absent:
+                slot = cache.reserve(k)
+                self.fetcher.submit(
+                    self.policy.fetch_priority(r, len(absent), self._tick),
+                    k,
+                    self.model.experts[k[0]][k[1]],
+                    slot,
+                )
+            r.claim, r.claimed = keys, True
+
+    def _ready(self, r: Request) -> bool:
+        return r.claimed and all(self.cache.is_ready(k) for k in r.claim)
+
+    def _schedule(self) -> list[Request]:
+        self._tick += 1
+        self._claim()
+        if self.prefetcher:
+            self.prefetcher.issue(self.fetcher, self.running)
+        ready = []
+        for r in self.running:
+            if self._ready(r):
+                if not r.ready_since:
+                    r.ready_since = self._tick
+                ready.append(r)
+        return self.policy.compute_group(self.running, ready)
+
+    def _riders(self, group: list[Request]) -> list[tuple[Request, set[int]]]:
+        """Decoding requests at the group's layer that are not in it, each with those of
+        its remaining experts the group runs anyway (all pinned and ready for the group)."""
+        layer = group[0].layer
+        experts = {e for r in group for _, e in r.claim}
+        members = {id(r) for r in group}
+        riders = []
+        for r in self.running:
+            if r.layer != layer or r.n != 1 or id(r) in members:
+                continue
+            mine = {e for _, e in r.claim} if r.claimed else set(r.needed) - r.done
+            subset = mine & experts
+            if subset:
+                riders.append((r, subset))
+        return riders
+
+    def _split(self) -> list[tuple[Request, set[int]]]:
+        """With no job ready, the experts already in the cache of decoding jobs still
+        waiting for others: those at the lowest such layer, each with its ready experts
+        not yet applied. Computing them now, while the link loads the rest, leaves less
+        for the job to do once its last expert arrives (see ``Policy.split``)."""
+        best: list[tuple[Request, set[int]]] = []
+        for r in self.running:
+            if not r.claimed or r.n != 1 or (best and r.layer > best[0][0].layer):
+                continue
+            ready = {k[1] for k in r.claim if self.cache.is_ready(k)}
+            if not ready or len(ready) == len(r.claim):  # none, or a job that is ready
+                continue
+            if best and r.layer < best[0][0].layer:
+                best = []
+            best.append((r, ready))
+        if not best:
+            return best
+        # An expert that a request at this layer still needs but cannot apply now is left
+        # for later, to run once for all (as a group or riders): splitting it off here
+        # would compute it twice. One this split applies for all its requests stays.
+        layer = best[0][0].layer
+        needers: dict[int, int] = {}
+        for r in self.running:
+            if r.layer == layer:
+                for e in set(r.needed) - r.done:
+                    needers[e] = needers.get(e, 0) + 1
+        here: dict[int, int] = {}
+        for _, ready in best:
+            for e in ready:
+                here[e] = here.get(e, 0) + 1
+        best = [(r, {e for e in ready if here[e] == needers[e]}) for r, ready in best]
+        return [(r, ready) for r, ready in best if ready]
+
+    def _run_split(self, part: list[tuple[Request, set[int]]]) -> None:
+        """Apply ``part``'s ready experts to their requests (as riders of an empty group),
+        then release those experts' pins."""
+        t0 = time.perf_counter()
+        layer = part[0][0].layer
+        self.jobs.run([], part)  # none completes its layer: each still waits for one
+        if self.slots.device.type == "cuda":  # as in ``_run``: before the link may reuse them
+            torch.cuda.current_stream(self.slots.device).synchronize()
+        for r, subset in part:  # each keeps its claim on the experts still loading
+            for k in r.claim:
+                if k[1] in subset:
+                    self.cache.unpin(k)
+            r.claim = [k for k in r.claim if k[1] not in subset]
+        self.telemetry.record_compute(
+            t0, time.perf_counter(), layer, tuple(r.id for r, _ in part), len(part)
+        )
+
+    # --- run and postprocess ------------------------------------------------------------
+
+    def _run(self, group: list[Request]) -> None:
+        t0 = time.perf_counter()
+        layer = group[0].layer
+        claims = [k for r in group for k in r.claim]
+        riders = self._riders(group) if self.policy.ride else []
+        # The pins each claimed rider gives up once it has ridden on those experts
+        # (taken now: a request that completes its layer gets a fresh, empty claim).
+        ridden = []
+        for r, subset in riders:
+            if r.claimed:
+                ridden.append((r, [k for k in r.claim if k[1] in subset]))
+            else:  # its claim, when it comes, skips these: count them as hits
+                for e in subset:
+                    self.cache.record_lookup((layer, e))
+        done, logits = self.jobs.run(group, riders)
+        if self.slots.device.type == "cuda":
+            # Kernels reading these slots may still be queued: finish them before the
+            # link may overwrite an unpinned slot on its own stream.
+            torch.cuda.current_stream(self.slots.device).synchronize()
+        for k in claims:
+            self.cache.unpin(k)
+        for r in group:
+            r.claim, r.claimed, r.ready_since = [], False, 0
+        for r, keys in ridden:
+            for k in keys:
+                self.cache.unpin(k)
+            if r.claimed:
+                r.claim = [k for k in r.claim if k not in keys]
+                r.claimed = bool(r.claim)
+        continuing: list[Request] = []
+        if logits is not None:
+            if self.logits_log is not None:
+                for r, row in zip(done, logits, strict=True):
+                    self.logits_log.setdefault(r.id, []).append(row.clone())
+            for r, row in zip(done, logits, strict=True):
+                if self._postprocess(r, row):
+                    continuing.append(r)
+            if continuing:
+                for r in continuing:
+                    r.start, r.n = r.start + r.n, 1
+                self.jobs.start(continuing, [[r.out_ids[-1]] for r in continuing])
+        rows = [*group, *(r for r, _ in riders)]
+        self.telemetry.record_compute(
+            t0, time.perf_counter(), layer, tuple(r.id for r in rows), sum(r.n for r in rows)
+        )
+
+    def _postprocess(self, r: Request, logits: torch.Tensor) -> bool:
+        """Sample, stream, check stops. Returns whether the request goes on."""
+        tok = self.model.tokenizer
+        nxt = sample(logits, r.params, r.generator, r.prompt_ids + r.out_ids)
+        if tok is not None and nxt in tok.eos_ids and not r.params.ignore_eos:
+            self._finish(r, "stop")
+            return False
+        r.out_ids.append(nxt)
+        self.telemetry.record_token(r.id)
+        text = r.stops.feed(r.decoder.push(nxt)) if r.decoder is not None else ""
+        r.text.append(text)
+        self._emit(TokenEvent(r.id, nxt, text))
+        if r.stops.stopped:
+            self._finish(r, "stop")
+            return False
+        if (
+            len(r.out_ids) >= r.params.max_tokens
+            or r.start + r.n + 1 >= self.model.config.context_length
+        ):
+            self._finish(r, "length")
+            return False
+        return True
+
+    def _finish_by_id(self, request_id: str, reason: str) -> None:
+        for r in list(self.running) + list(self.waiting):
+            if r.id == request_id:
+                self._finish(r, reason)
+                return
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if r.claimed:
+            for k in r.claim:
+                self.cache.unpin(k)
+            r.claim, r.claimed = [], False
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        if reason != "abort" and r.decoder is not None and not r.stops.stopped:
+            tail = r.stops.feed(r.decoder.flush()) + r.stops.flush()
+            if tail:
+                r.text.append(tail)
+                self._emit(TokenEvent(r.id, -1, tail))
+        r.status, r.finish_reason, r.kv, r.h, r.x, r.acc, r.parts = (
+            RequestStatus.FINISHED,
+            reason,
+            None,
+            None,
+            None,
+            None,
+            {},
+        )
+        self._ids.discard(r.id)
+        self._emit(
+            Finished(
+                r.id, reason, "".join(r.text), len(r.prompt_ids), len(r.out_ids), tuple(r.out_ids)
+            )
+        )
+
+    def _fail_requests_waiting_on(self, key: tuple[int, int], error: str) -> None:
+        for r in list(self.running):
+            if key in r.claim:
+                r.claim.remove(key)  # its pin went with the cancelled slot
+                self._emit(ErrorEvent(r.id, error))
+                self._finish(r, "error")
+
+    # --- events and metrics -------------------------------------------------------------
+
+    def _emit(self, event: Event) -> None:
+        self.events.put(event)
+
+    def _maybe_metrics(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_metrics >= self.config.metrics_interval_s:
+            self._last_metrics = now
+            self._emit(self.snapshot(now))
+
+    def runahead_state(self) -> str:
+        if self.policy.lockstep:
+            return "off"
+        need = sum(len(r.needed) for r in self.running)
+        return "on" if need <= self.cache.n_slots else "limited"
+
+    def snapshot(
+        self, now: float | None = None, window_s: float = 2.0, lane_window_s: float = 6.0
+    ) -> MetricsSnapshot:
+        """Metrics over the last ``window_s``; lanes and residency for live views."""
+        now = now or time.perf_counter()
+        w = self.telemetry.window(now - window_s, now)
+        link, comp = self.telemetry.lanes(now - lane_window_s, now)
+        # Sub-millisecond gaps are invisible at panel scale; merging keeps snapshots small.
+        rel = lambda lane: tuple((s - now, e - now) for s, e in coalesce(lane, 5e-4))  # noqa: E731
+        cache = self.cache
+        resident = tuple(k for k, slot in cache.slot_of.items() if cache.ready[slot])
+        n_layers = self.model.config.n_layers
+        progress = []
+        for r in self.running:
+            state = "ready" if self._ready(r) else "waiting"
+            progress.append(
+                RequestProgress(r.id, r.session, r.layer, n_layers, state, len(r.out_ids))
+            )
+        progress += [
+            RequestProgress(r.id, r.session, 0, n_layers, "queued", 0) for r in self.waiting
+        ]
+        return MetricsSnapshot(
+            t=now,
+            tokens_per_s=w["tokens_per_s"],
+            hit_rate=self.cache.stats.hit_rate,
+            both_busy_frac=w["both_busy_frac"],
+            compute_wait_frac=w["compute_wait_frac"],
+            compute_busy_frac=w["compute_busy_frac"],
+            link_busy_frac=w["link_busy_frac"],
+            fetched=self.cache.stats.fetches,
+            cache_slots=self.cache.n_slots,
+            cache_used=self.cache.n_used,
+            cache_pinned=self.cache.n_pinned,
+            runahead=self.runahead_state(),
+            requests=tuple(progress),
+            lane_window_s=lane_window_s,
+            link_lane=rel(link),
+            compute_lane=rel(comp),
+            resident=resident,
+            n_layers=n_layers,
+            n_experts=self.model.config.n_experts,
+            tokens_total=self.telemetry.n_tokens,
+        )

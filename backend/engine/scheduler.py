@@ -1,0 +1,122 @@
+"""Scheduling policies: which ready jobs compute together, which blocked jobs fetch first.
+
+Pure Python over ``Request`` state, so every policy is tested without torch work.
+
+- ``bevy``: compute all ready jobs at the lowest ready layer (opportunistic layerwise
+  grouping); claim/fetch for the blocked job with the lowest layer first, ties broken by
+  fewest missing experts (SRTF). Requests at that layer still waiting for other experts
+  ride along on the experts they share with the group (``ride``). When no job is ready,
+  waiting decoding jobs apply the experts they already have (``split``).
+- ``sync``: llama.cpp-like: all running requests advance as one batch, layer by layer;
+  experts are fetched on demand and compute waits for them.
+- ``prefetch-gate`` / ``prefetch-history``: ``sync`` plus prefetching of predicted
+  next-layer experts on the otherwise idle link.
+- Ablations: ``bevy-static:K`` (fixed groups of K requests advance together),
+  ``bevy-fifo`` (compute the longest-ready job's layer first), ``bevy-srtf`` (fetch by
+  fewest missing experts globally, ignoring layers), ``bevy+prefetch-gate``,
+  ``bevy-nosplit`` (a waiting job never applies its cached experts early; see ``split``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from backend.policies import policy_fields
+
+if TYPE_CHECKING:
+    from backend.engine.request import Request
+
+Missing = Callable[["Request"], int]  # experts of the request's current job not yet cached
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    lockstep: bool = False  # all requests advance together (sync and its prefetch variants)
+    group_size: int = 0  # bevy-static:K
+    compute_order: str = "layer"  # "layer" (lowest first) or "fifo"
+    fetch_order: str = "layer"  # "layer" (lowest layer, then fewest missing) or "srtf"
+    prefetch: str | None = None  # None, "gate" or "history"
+    # Requests at the group's layer that wait for other experts ride along on the ones
+    # the group runs (their rows join the same products; see ``Engine._riders``).
+    ride: bool = True
+    # With no job ready, decoding jobs still waiting for some experts apply the ones
+    # already in the cache (see ``Engine._split``): the compute lane works while the
+    # link loads the rest, and the job has less left to do when they arrive.
+    split: bool = True
+
+    def claim_order(
+        self, blocked: Sequence[Request], missing: Missing, low_layer: int = 0
+    ) -> list[Request]:
+        """Order in which unclaimed jobs get cache slots and fetches. ``low_layer``: the
+        lowest layer any running request is at."""
+        if self.lockstep:
+            # Only the batch's current layer: nobody runs ahead of the slowest request.
+            return sorted((r for r in blocked if r.layer == low_layer), key=lambda r: r.arrival)
+        if self.fetch_order == "srtf":
+            return sorted(blocked, key=lambda r: (missing(r), r.layer, r.arrival))
+        return sorted(blocked, key=lambda r: (r.layer, missing(r), r.arrival))
+
+    def fetch_priority(self, r: Request, missing: int, tick: int) -> tuple:
+        """Key of a demand fetch in the link's queue (smallest first)."""
+        if self.lockstep:
+            return (tick, r.arrival)
+        if self.fetch_order == "srtf":
+            return (missing, r.layer, tick)
+        return (r.layer, missing, tick)
+
+    def compute_group(self, running: Sequence[Request], ready: Sequence[Request]) -> list[Request]:
+        """The requests whose jobs run now as one batch (empty: wait for fetches)."""
+        if not ready:
+            return []
+        if self.lockstep:
+            # The batch at its lowest layer moves together once every claimed job is ready.
+            # Jobs the cache could not take this round (unclaimed) follow in a later
+            # round of the same layer: the safe fallback when the cache is too small.
+            low = min(r.layer for r in running)
+            batch = [r for r in running if r.layer == low]
+            ready_ids = {id(r) for r in ready}
+            if any(r.claimed and id(r) not in ready_ids for r in batch):
+                return []
+            return [r for r in batch if id(r) in ready_ids]
+        if self.group_size:
+            return self._static_group(running, ready)
+        if self.compute_order == "fifo":
+            first = min(ready, key=lambda r: (r.ready_since, r.arrival))
+            layer = first.layer
+        else:
+            layer = min(r.layer for r in ready)
+        return [r for r in ready if r.layer == layer]
+
+    def _groups(self, running: Sequence[Request]) -> list[list[Request]]:
+        groups: dict[int, list[Request]] = {}
+        for r in sorted(running, key=lambda r: r.arrival):
+            groups.setdefault(r.arrival // self.group_size, []).append(r)
+        return list(groups.values())
+
+    def _static_group(self, running: Sequence[Request], ready: Sequence[Request]) -> list[Request]:
+        """Each fixed group is a small lockstep batch; the group at the lowest layer goes first."""
+        ready_ids = {id(r) for r in ready}
+        best: list[Request] = []
+        for g in self._groups(running):
+            low = min(r.layer for r in g)
+            batch = [r for r in g if r.layer == low]
+            if any(r.claimed and id(r) not in ready_ids for r in batch):
+                continue
+            members = [r for r in batch if id(r) in ready_ids]
+            if members and (not best or low < best[0].layer):
+                best = members
+        return best
+
+    def static_claimable(self, running: Sequence[Request]) -> set[int]:
+        """bevy-static: only jobs at their group's lowest layer may claim."""
+        return {
+            id(r) for g in self._groups(running) for r in g if r.layer == min(x.layer for x in g)
+        }
+
+
+def make_policy(name: str) -> Policy:
+    """The policy named ``name`` (``backend.policies`` lists them); ValueError if unknown."""
+    return Policy(name, **policy_fields(name))

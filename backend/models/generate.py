@@ -1,0 +1,145 @@
+"""Plain in-memory generation (no offloading): chat prompt -> streamed reply."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from backend.config import SamplingParams
+from backend.errors import BevyError
+from backend.models.loader import LoadedModel
+from backend.models.transformer import GetExpert, KVCache, SeqSlice
+from backend.text.chat_template import DEFAULT_TEMPLATE, render_chat
+from backend.text.sampling import make_generator, sample
+from backend.text.stops import StopMatcher
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string), "length" (max tokens or context)
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (
+            (len(self.token_ids) - 1) / self.decode_s
+            if self.decode_s > 0 and len(self.token_ids) > 1
+            else 0.0
+        )
+
+
+def chat_prompt_ids(
+    model: LoadedModel, messages: list[dict], tools: list[dict] | None = None
+) -> list[int]:
+    """Render ``messages`` with the model's chat template and tokenize."""
+    tok = model.tokenizer
+    if tok is None:
+        raise BevyError(f"{model.path}: the model has no tokenizer")
+    text = render_chat(
+        tok.chat_template or DEFAULT_TEMPLATE,
+        messages,
+        tools=tools,
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+    )
+    ids = tok.encode(text, add_special=False)
+    if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+        ids.insert(0, tok.bos_id)
+    return ids
+
+
+@torch.inference_mode()
+def generate(
+    model: LoadedModel,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    get_expert: GetExpert | None = None,
+    on_text: Callable[[str], None] | None = None,
+) -> Generation:
+    cfg, t, tok = model.config, model.transformer, model.tokenizer
+    if not prompt_ids:
+        raise BevyError("the prompt is empty")
+    if len(prompt_ids) >= cfg.context_length:
+        raise BevyError(
+            f"the prompt has {len(prompt_ids)} tokens; the model's context is {cfg.context_length}"
+        )
+    get_expert = get_expert or model.resident_experts().get
+    gen = make_generator(params)
+    kv = KVCache(cfg.n_layers)
+    decoder = tok.stream_decoder() if tok else None
+    stops = StopMatcher(params.stop)
+    eos = tok.eos_ids if tok else set()
+    out_ids: list[int] = []
+    text = []
+    t0 = time.perf_counter()
+    logits = t.forward(
+        torch.tensor(prompt_ids, device=t.device), [SeqSlice(kv, 0, len(prompt_ids))], get_expert
+    )[0]
+    prefill_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    finish = "length"
+    pos = len(prompt_ids)
+    while True:
+        nxt = sample(logits, params, gen, prompt_ids + out_ids)
+        if nxt in eos and not params.ignore_eos:
+            finish = "stop"
+            break
+        out_ids.append(nxt)
+        if decoder is not None:
+            piece = stops.feed(decoder.push(nxt))
+            if piece:
+                text.append(piece)
+                if on_text:
+                    on_text(piece)
+            if stops.stopped:
+                finish = "stop"
+                break
+        if len(out_ids) >= params.max_tokens or pos + 1 >= cfg.context_length:
+            break
+        logits = t.forward(
+            torch.tensor([nxt], device=t.device), [SeqSlice(kv, pos, 1)], get_expert
+        )[0]
+        pos += 1
+    if decoder is not None and not stops.stopped:
+        tail = stops.feed(decoder.flush()) + stops.flush()
+        if tail:
+            text.append(tail)
+            if on_text:
+                on_text(tail)
+    return Generation(
+        "".join(text), out_ids, finish, len(prompt_ids), prefill_s, time.perf_counter() - t1
+    )
+
+
+@torch.inference_mode()
+def greedy_reference(
+    model: LoadedModel, prompts: list[list[int]], steps: int, get_expert: GetExpert | None = None
+) -> list[list[int]]:
+    """Plain in-memory greedy decoding of several prompts as one batch, ``steps`` tokens each
+    (EOS ignored): the reference every engine policy must reproduce."""
+    t = model.transformer
+    get_expert = get_expert or model.resident_experts().get
+    kvs = [KVCache(model.config.n_layers) for _ in prompts]
+    seqs = [SeqSlice(kv, 0, len(p)) for kv, p in zip(kvs, prompts, strict=True)]
+    logits = t.forward(
+        torch.tensor([i for p in prompts for i in p], device=t.device), seqs, get_expert
+    )
+    out: list[list[int]] = [[] for _ in prompts]
+    pos = [len(p) for p in prompts]
+    for step in range(steps):
+        nxt = logits.argmax(-1).tolist()
+        for o, n in zip(out, nxt, strict=True):
+            o.append(n)
+        if step == steps - 1:
+            break
+        seqs = [SeqSlice(kv, p, 1) for kv, p in zip(kvs, pos, strict=True)]
+        logits = t.forward(torch.tensor(nxt, device=t.device), seqs, get_expert)
+        pos = [p + 1 for p in pos]
+    return out

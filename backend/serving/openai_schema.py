@@ -1,0 +1,286 @@
+"""The OpenAI wire format: request bodies, their translation to engine terms, response bodies.
+
+Plain functions over plain data, no server and no engine: ``backend.serving.http`` does the I/O.
+Requests accept unknown fields (clients send ``user``, ``metadata`` ...) and refuse, with a
+400, the known ones we cannot honour, rather than silently ignoring them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from backend.config import SamplingParams
+from backend.messages import Finished
+
+# --- errors -----------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def body(self) -> dict:
+        kind = _ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+def validation_error(errors: list) -> ApiError:
+    """A 400 naming the first bad field (FastAPI's default is a 422 of another shape)."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    where = f"{param}: " if param else ""
+    return ApiError(400, f"{where}{first.get('msg', 'invalid value')}", param=param)
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None  # None: the loaded model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | int | None = None
+    # Extensions under the names vLLM and llama.cpp's server use.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise ApiError(400, f"n must be 1 (one choice per request), got {self.n}", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported; use repetition_penalty", param=name)
+        if self.logprobs:
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """Engine sampling settings; fields left unset take Bevy's defaults."""
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ApiError(400, "seed must fit in 64 bits", param="seed")
+        # llama.cpp and its clients send -1 (any negative seed) for "random".
+        seed = self.seed if self.seed is not None and self.seed >= 0 else None
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "max_tokens": max_tokens,
+            "seed": seed,
+        }
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(
+                **{k: v for k, v in given.items() if v is not None},
+                stop=stop,
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as exc:  # SamplingParams names the field first: "top_p must be ..."
+            message = str(exc)
+            param = message.split(" ", 1)[0]
+            raise ApiError(
+                400, message, param=param if param in (*given, "stop") else None
+            ) from None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def params(self) -> SamplingParams:
+        self.check_supported()
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError(
+                400, "only response_format type 'text' is supported", param="response_format"
+            )
+        return self.sampling(
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+    def chat_tools(self) -> list[dict] | None:
+        """Tools for the chat template. Replies come back as text (tool calls are not parsed
+        into ``tool_calls``) and a model cannot be forced to call one, so ``tool_choice``
+        other than "auto" / "none" (which hides the tools) is refused rather than ignored."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ApiError(
+                400,
+                "tool_choice must be 'auto' or 'none': forcing a tool call is not supported",
+                param="tool_choice",
+            )
+        return None if self.tool_choice == "none" else self.tools
+
+    def chat_messages(self) -> list[dict]:
+        """Messages with text content parts joined into strings, as chat templates expect."""
+        out = []
+        for i, m in enumerate(self.messages):
+            if not isinstance(m.get("role"), str):
+                raise ApiError(400, f"messages[{i}] has no role", param=f"messages.{i}.role")
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not (isinstance(part, dict) and part.get("type") == "text"):
+                        raise ApiError(
+                            400,
+                            f"messages[{i}]: only text content parts are supported",
+                            param=f"messages.{i}.content",
+                        )
+                    parts.append(str(part.get("text", "")))
+                m = {**m, "content": "".join(parts)}
+            elif content is not None and not isinstance(content, str):
+                raise ApiError(
+                    400, f"messages[{i}].content must be a string", param=f"messages.{i}.content"
+                )
+            out.append(m)
+        return out
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def params(self) -> SamplingParams:
+        self.check_supported()
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, "best_of must be 1", param="best_of")
+        return self.sampling(self.max_tokens)
+
+    def prompt_text_or_ids(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise ApiError(400, "give one prompt per request", param="prompt")
+            return p[0]
+        return p
+
+
+# --- responses --------------------------------------------------------------------------
+
+
+def usage(fin: Finished) -> dict:
+    return {
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": fin.completion_tokens,
+        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+    }
+
+
+def chat_completion(rid: str, model: str, text: str, fin: Finished) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": fin.reason,
+            }
+        ],
+        "usage": usage(fin),
+        "system_fingerprint": None,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict | None,
+    finish: str | None = None,
+    usage_: dict | None = None,
+    with_usage: bool = False,
+) -> dict:
+    """One streamed chunk; ``delta=None`` is the usage-only chunk (empty choices)."""
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    if with_usage:  # as OpenAI: every chunk carries "usage", null until the last one
+        chunk["usage"] = usage_
+    return chunk
+
+
+def completion(
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish: str | None,
+    usage_: dict | None = None,
+    with_usage: bool = False,
+    choices: bool = True,
+) -> dict:
+    """A text completion, or one chunk of a streamed one."""
+    body = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        if choices
+        else [],
+    }
+    if usage_ is not None or with_usage:
+        body["usage"] = usage_
+    return body
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "bevy"}

@@ -1,0 +1,226 @@
+"""One engine shared by many clients: app sessions and API requests interleave on it.
+
+The engine has a single event queue; a dispatcher thread fans it out. Each request
+registers a listener at submit time and gets exactly its own events, ending with one
+terminal event (``Finished`` or ``ErrorEvent``). Metrics snapshots go to every metrics
+subscriber and are kept as ``latest`` for pollers (``/v1/stats``). Listeners run on the
+dispatcher thread: they must hand events on (queue, Qt signal) and return quickly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from backend.config import EngineConfig
+from backend.engine.loop import Engine
+from backend.errors import BevyError
+from backend.messages import Abort, ErrorEvent, Event, Finished, MetricsSnapshot, Submit
+from backend.models.loader import LoadedModel, Progress, load_model
+
+Listener = Callable[[Event], None]
+MetricsListener = Callable[[MetricsSnapshot], None]
+
+_STOP = object()
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> str:
+    """ "auto" picks CUDA, then Apple's MPS, then the CPU; other names pass through."""
+    if name != "auto":
+        return name
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def open_model(path: str | Path, device: str = "cpu", progress: Progress | None = None):
+    """Load a model that can serve chats: it must carry a tokenizer."""
+    model = load_model(path, device=device, progress=progress)
+    if model.tokenizer is None:
+        raise BevyError(
+            f"{path}: the model has no tokenizer (GGUF tokenizer metadata or tokenizer.json)"
+        )
+    return model
+
+
+class EngineService:
+    """Owns a running Engine and routes its events; thread-safe."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig) -> None:
+        self.model, self.config = model, config
+        self.engine = Engine(model, config)
+        self.model_name = model.path.stem if model.path.is_file() else model.path.name
+        self._lock = threading.Lock()
+        self._listeners: dict[str, Listener] = {}
+        self._metrics: list[MetricsListener] = []
+        self._failure_listeners: list[Callable[[str], None]] = []
+        self._ids = itertools.count(1)
+        self.latest: MetricsSnapshot | None = None
+        self.failure: str | None = None  # set when the engine thread itself died
+        self._closed = False
+        self.engine.start()
+        self._thread = threading.Thread(target=self._dispatch, name="bevy-events", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def open(
+        cls, path: str | Path, config: EngineConfig, progress: Progress | None = None
+    ) -> EngineService:
+        return cls(open_model(path, config.device, progress), config)
+
+    # --- requests -----------------------------------------------------------------------
+
+    def new_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(self, msg: Submit, listener: Listener) -> None:
+        """Queue a request; ``listener`` gets its events. A request refused here (engine
+        down, id in use) gets its ErrorEvent on the calling thread, before this returns."""
+        refusal = None
+        with self._lock:
+            if self._closed or self.failure:
+                refusal = self.failure or "the engine is shut down"
+            elif msg.request_id in self._listeners:
+                refusal = f"request id {msg.request_id!r} is in use"
+            else:
+                self._listeners[msg.request_id] = listener
+        if refusal is not None:  # outside the lock: the listener may call back into us
+            listener(ErrorEvent(msg.request_id, refusal))
+            return
+        self.engine.submit(msg)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its listener still receives ``Finished(reason="abort")``."""
+        self.engine.submit(Abort(request_id))
+
+    @property
+    def active(self) -> int:
+        """Requests submitted and not yet finished (queued or running)."""
+        with self._lock:
+            return len(self._listeners)
+
+    # --- metrics ------------------------------------------------------------------------
+
+    def subscribe_metrics(self, listener: MetricsListener) -> Callable[[], None]:
+        """Call ``listener`` with every snapshot (~10 Hz); returns the unsubscribe function."""
+        with self._lock:
+            self._metrics.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._metrics:
+                    self._metrics.remove(listener)
+
+        return unsubscribe
+
+    # --- compare runs -------------------------------------------------------------------
+
+    def compare(
+        self,
+        policies: tuple[str, ...],
+        workload: str = "chat",
+        requests: int = 4,
+        cache: float = 0.3,
+        tokens: int = 16,
+        log: Callable[[str], None] = lambda _msg: None,
+    ) -> list[dict]:
+        """Run one small workload under each policy (fresh engines on this model, on the
+        calling thread); bench records with each run's lane intervals."""
+        from backend.bench.runner import BenchPlan, run_bench
+
+        plan = BenchPlan(
+            policies=policies,
+            workloads=(workload,),
+            requests=(requests,),
+            caches=(cache,),
+            tokens=tokens,
+            storage=self.config.storage,
+            device=self.config.device,
+            eviction=self.config.eviction,
+            keep_lanes=True,
+        )
+        return run_bench(self.model, plan, log=log)
+
+    # --- dispatch -----------------------------------------------------------------------
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener`` with the reason if the engine thread itself dies."""
+        with self._lock:
+            self._failure_listeners.append(listener)
+
+    def _dispatch(self) -> None:
+        events = self.engine.events
+        while True:
+            ev = events.get()
+            if ev is _STOP:
+                return
+            if isinstance(ev, MetricsSnapshot):
+                self.latest = ev
+                with self._lock:
+                    targets = list(self._metrics)
+                for m in targets:
+                    _call(m, ev)
+            elif isinstance(ev, ErrorEvent) and ev.request_id is None:
+                self._fail_all(ev.message)  # the engine died: every open request ends
+            else:
+                terminal = isinstance(ev, Finished | ErrorEvent)
+                with self._lock:
+                    pop = self._listeners.pop if terminal else self._listeners.get
+                    listener = pop(ev.request_id, None)
+                if listener is not None:
+                    _call(listener, ev)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            self.failure = message
+            listeners, self._listeners = self._listeners, {}
+            failure_listeners = list(self._failure_listeners)
+        for rid, listener in listeners.items():
+            _call(listener, ErrorEvent(rid, message))
+        for f in failure_listeners:
+            _call(f, message)
+
+    # --- lifetime -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abort everything in flight, stop the engine and the dispatcher."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.engine.shutdown()
+        self.engine.events.put(_STOP)
+        self._thread.join(timeout=10)
+        with self._lock:
+            listeners, self._listeners = self._listeners, {}
+        for rid, listener in listeners.items():  # queued Submits the engine never saw
+            _call(listener, ErrorEvent(rid, "the engine is shut down"))
+
+
+def _call(listener: Callable, arg: object) -> None:
+    """One client's broken listener must not stop the events of all the others."""
+    try:
+        listener(arg)
+    except Exception:
+        log.exception("an engine event listener failed")
+
+
+def collect(service: EngineService, msg: Submit, timeout: float = 600.0) -> list[Event]:
+    """Submit and block until the request ends; its events in order (for CLIs and tests)."""
+    q: queue.Queue[Event] = queue.Queue()
+    service.submit(msg, q.put)
+    out = []
+    while True:
+        ev = q.get(timeout=timeout)
+        out.append(ev)
+        if isinstance(ev, Finished | ErrorEvent):
+            return out

@@ -1,0 +1,240 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.engine.cache import ExpertCache
+
+
+def fill(cache: ExpertCache, keys) -> None:
+    for k in keys:
+        cache.record_use(k)
+        assert cache.reserve(k) is not None
+        cache.complete(k)
+        cache.unpin(k)
+
+
+def test_reserve_evicts_lru_first() -> None:
+    c = ExpertCache(2, "lru")
+    fill(c, [(0, 0), (0, 1)])
+    c.record_use((0, 0))  # (0, 1) is now least recently used
+    c.record_use((0, 2))
+    c.reserve((0, 2))
+    assert c.is_present((0, 0)) and not c.is_present((0, 1))
+    assert c.stats.evictions == 1
+
+
+def test_lfu_keeps_the_most_used() -> None:
+    c = ExpertCache(2, "lfu")
+    fill(c, [(0, 0), (0, 1)])
+    for _ in range(3):
+        c.record_use((0, 1))
+    c.record_use((0, 0))
+    c.record_use((0, 2))
+    c.reserve((0, 2))
+    assert c.is_present((0, 1)) and not c.is_present((0, 0))
+
+
+def use(cache: ExpertCache, key, times: int = 1) -> None:
+    """``times`` jobs route at ``key``'s layer, each using ``key``."""
+    for _ in range(times):
+        cache.record_pass(key[0])
+        cache.record_use(key)
+
+
+def test_reuse_evicts_the_layer_every_request_just_left() -> None:
+    # Both experts are used on every pass of their layer; LFU would evict (3, 0), used
+    # less often. The requests all sit at layer 2: they reach layer 3 next job, layer 1
+    # only after three jobs (the next token).
+    c = ExpertCache(2, "reuse")
+    fill(c, [(1, 0), (3, 0)])
+    use(c, (1, 0), 2)
+    use(c, (3, 0), 1)
+    c.set_positions([2, 2], n_layers=4)
+    c.record_use((2, 5))
+    c.reserve((2, 5))
+    assert c.is_present((3, 0)) and not c.is_present((1, 0))
+
+
+def test_reuse_weighs_how_often_against_how_soon() -> None:
+    # Layer 3 comes first (one job away) but its expert is used on one pass in ten; layer
+    # 1's expert, three jobs away, on every pass: the rarely used one goes.
+    c = ExpertCache(2, "reuse")
+    fill(c, [(1, 0), (3, 0)])
+    use(c, (1, 0), 9)
+    for _ in range(9):
+        c.record_pass(3)
+    c.set_positions([2], n_layers=4)
+    c.reserve((2, 5))
+    assert c.is_present((1, 0)) and not c.is_present((3, 0))
+
+
+def test_reuse_keeps_what_a_request_has_routed_to() -> None:
+    c = ExpertCache(2, "reuse")
+    fill(c, [(1, 0), (1, 1)])
+    use(c, (1, 1), 5)  # (1, 0) is the one to go, by use and by distance alike ...
+    c.set_positions([1, 3], n_layers=4, wanted=frozenset({(1, 0)}))  # ... but a request wants it
+    c.reserve((2, 5))
+    assert c.is_present((1, 0)) and not c.is_present((1, 1))
+    c.unpin((2, 5))
+    c.complete((2, 5))
+    c.set_positions([1, 3], n_layers=4, wanted=frozenset({(1, 0), (2, 5)}))
+    c.reserve((0, 7))  # only wanted entries left: the cache still makes room
+    assert c.n_used == 2 and c.is_present((0, 7))
+
+
+def test_reuse_frees_what_no_request_wants_any_more() -> None:
+    # (1, 0) is never used: the first to go, once no request wants it. Its requests move
+    # nowhere in between, so the cache keeps its distances and only the wanted set shrinks.
+    c = ExpertCache(4, "reuse")
+    fill(c, [(1, 0), (1, 1), (2, 0), (2, 1)])
+    for k in [(1, 1), (2, 0), (2, 1)]:
+        use(c, k, 5)
+    c.set_positions([0], n_layers=4, wanted=frozenset({(1, 0)}))
+    c.reserve((3, 0))
+    assert c.is_present((1, 0))
+    c.complete((3, 0))
+    c.unpin((3, 0))
+    c.set_positions([0], n_layers=4, wanted=frozenset())
+    c.reserve((3, 1))
+    assert not c.is_present((1, 0))
+
+
+def test_reuse_follows_use_rates_between_moves() -> None:
+    # (2, 0) is used on every pass of its layer, two steps away: kept over (1, 1), used
+    # on one pass in ten. Then layer 2 is passed 200 times without it while the requests
+    # stay put: now it is the rarely used one, and goes before (3, 0).
+    c = ExpertCache(2, "reuse")
+    fill(c, [(1, 1), (2, 0)])
+    for _ in range(9):
+        c.record_pass(1)
+    use(c, (2, 0), 5)
+    use(c, (3, 0), 5)
+    c.set_positions([0], n_layers=4)
+    c.reserve((3, 0))
+    assert not c.is_present((1, 1)) and c.is_present((2, 0))
+    c.complete((3, 0))
+    c.unpin((3, 0))
+    for _ in range(200):
+        c.record_pass(2)
+    c.record_use((3, 1))
+    c.reserve((3, 1))
+    assert c.is_present((3, 0)) and not c.is_present((2, 0))
+
+
+def test_reuse_without_positions_is_lfu() -> None:
+    a, b = ExpertCache(3, "reuse"), ExpertCache(3, "lfu")
+    for c in (a, b):
+        fill(c, [(0, 0), (1, 0), (2, 0)])
+        use(c, (0, 0), 3)
+        use(c, (2, 0), 1)
+        for k in [(3, 0), (4, 0)]:
+            use(c, k)
+            c.reserve(k)
+            c.complete(k)
+            c.unpin(k)
+    assert set(a.slot_of) == set(b.slot_of) == {(0, 0), (2, 0), (4, 0)}
+
+
+def test_pinned_entries_are_never_evicted() -> None:
+    c = ExpertCache(2, "lru")
+    fill(c, [(0, 0), (0, 1)])
+    c.pin((0, 0))
+    c.pin((0, 1))
+    assert c.n_reservable == 0
+    assert c.reserve((0, 2)) is None
+    c.unpin((0, 1))
+    assert c.reserve((0, 2)) is not None
+    assert c.is_present((0, 0)) and not c.is_present((0, 1))
+
+
+def test_loading_entries_are_not_evictable_and_deduplicate() -> None:
+    c = ExpertCache(2, "lru")
+    assert c.reserve((1, 1)) is not None
+    c.unpin((1, 1))  # a prefetch: no pin while loading
+    assert c.is_present((1, 1)) and not c.is_ready((1, 1))
+    with pytest.raises(RuntimeError):
+        c.reserve((1, 1))  # pending fetches are never duplicated
+    assert c.n_reservable == 1  # only the free slot: the loading one cannot be taken
+    c.complete((1, 1))
+    assert c.is_ready((1, 1)) and c.n_reservable == 2
+
+
+def test_cancel_frees_the_slot() -> None:
+    c = ExpertCache(1, "lfu")
+    c.reserve((0, 0))
+    c.cancel((0, 0))
+    assert not c.is_present((0, 0)) and c.n_reservable == 1 and c.refs == [0]
+
+
+def test_generation_changes_when_a_slot_is_reused() -> None:
+    c = ExpertCache(1, "lru")
+    fill(c, [(0, 0)])
+    gen = c.generation[c.slot_of[(0, 0)]]
+    fill(c, [(0, 1)])
+    assert c.generation[c.slot_of[(0, 1)]] == gen + 1
+
+
+def test_hit_rate_counts_lookups() -> None:
+    c = ExpertCache(4, "lru")
+    assert c.record_lookup((0, 0)) is False
+    c.reserve((0, 0))
+    assert c.record_lookup((0, 0)) is True  # loading counts as a hit: no second fetch
+    assert c.stats.hit_rate == 0.5
+
+
+def test_invalid_configuration() -> None:
+    with pytest.raises(ValueError):
+        ExpertCache(0)
+    with pytest.raises(ValueError, match="lru, lfu, reuse"):
+        ExpertCache(4, "fifo")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["use", "pin", "unpin", "move"]), st.integers(0, 7)),
+        max_size=200,
+    ),
+    st.sampled_from(["lru", "lfu", "reuse"]),
+    st.integers(1, 5),
+)
+def test_random_operations_keep_invariants(ops, policy: str, n_slots: int) -> None:
+    c = ExpertCache(n_slots, policy)
+    pins: dict[tuple[int, int], int] = {}
+    for op, e in ops:
+        k = (e % 3, e)
+        if op == "move":  # the requests move on; some routed experts wait for a claim
+            c.set_positions([e % 3, (e + 1) % 3], 3, frozenset({(e % 3, e), ((e + 1) % 3, e + 1)}))
+        elif op == "use":
+            c.record_pass(k[0])
+            c.record_use(k)
+            if not c.is_present(k) and c.reserve(k) is not None:
+                pins[k] = pins.get(k, 0) + 1
+                c.complete(k)
+        elif op == "pin" and c.is_present(k):
+            c.pin(k)
+            pins[k] = pins.get(k, 0) + 1
+        elif op == "unpin" and pins.get(k):
+            c.unpin(k)
+            pins[k] -= 1
+        # Pinned keys are always still cached; slot count never changes.
+        assert all(c.is_present(key) for key, n in pins.items() if n)
+        assert len(c.slot_of) + len(c.free) == n_slots
+        assert sum(c.refs) == sum(pins.values())
+
+
+def test_prefetch_accounting() -> None:
+    c = ExpertCache(2, "lru")
+    for k in [(1, 0), (1, 1)]:
+        c.reserve(k)
+        c.unpin(k)
+        c.mark_prefetched(k)
+        c.complete(k)
+    c.record_lookup((1, 0))  # a job claims the first guess
+    c.pin((1, 0))
+    c.record_use((1, 2))
+    c.reserve((1, 2))  # evicts the unclaimed guess
+    s = c.stats
+    assert (s.prefetched, s.prefetch_used, s.prefetch_wasted) == (2, 1, 1) and not c.guessed

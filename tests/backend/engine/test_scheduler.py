@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import pytest
+
+from backend.config import SamplingParams
+from backend.engine.request import Request
+from backend.engine.scheduler import make_policy
+from backend.policies import POLICIES
+
+
+def req(i: int, layer: int, claimed: bool = True) -> Request:
+    r = Request(f"r{i}", [1], SamplingParams(), arrival=i)
+    r.layer, r.claimed = layer, claimed
+    return r
+
+
+def test_bevy_runs_all_ready_jobs_at_the_lowest_ready_layer() -> None:
+    p = make_policy("bevy")
+    rs = [req(0, 5), req(1, 2), req(2, 2), req(3, 1)]
+    ready = rs[:3]  # r3 (layer 1) waits for experts
+    assert p.compute_group(rs, ready) == [rs[1], rs[2]]
+
+
+def test_bevy_claims_lowest_layer_then_fewest_missing() -> None:
+    p = make_policy("bevy")
+    rs = [req(0, 3), req(1, 1), req(2, 1), req(3, 0)]
+    missing = {"r0": 0, "r1": 4, "r2": 1, "r3": 9}
+    order = p.claim_order(rs, lambda r: missing[r.id])
+    assert [r.id for r in order] == ["r3", "r2", "r1", "r0"]
+
+
+def test_srtf_ignores_layers() -> None:
+    p = make_policy("bevy-srtf")
+    rs = [req(0, 3), req(1, 0)]
+    assert [r.id for r in p.claim_order(rs, lambda r: 1 if r.id == "r0" else 5)] == ["r0", "r1"]
+
+
+def test_fifo_computes_the_longest_ready_job_first() -> None:
+    p = make_policy("bevy-fifo")
+    a, b = req(0, 7), req(1, 2)
+    a.ready_since, b.ready_since = 3, 9
+    assert p.compute_group([a, b], [a, b]) == [a]
+
+
+def test_sync_moves_the_whole_batch_only_when_all_claimed_jobs_are_ready() -> None:
+    p = make_policy("sync")
+    rs = [req(0, 4), req(1, 4), req(2, 4)]
+    assert p.compute_group(rs, rs[:2]) == []
+    assert p.compute_group(rs, rs) == rs
+    # A job the cache could not take yet (unclaimed) does not block the others.
+    rs[2].claimed = False
+    assert p.compute_group(rs, rs[:2]) == rs[:2]
+    # Nobody claims ahead of the batch's lowest layer.
+    ahead = req(3, 5, claimed=False)
+    assert p.claim_order([rs[2], ahead], lambda r: 0, low_layer=4) == [rs[2]]
+
+
+def test_static_groups_advance_together() -> None:
+    p = make_policy("bevy-static:2")
+    rs = [req(0, 3), req(1, 3), req(2, 1), req(3, 1)]
+    assert p.compute_group(rs, [rs[0], rs[1], rs[2]]) == [rs[0], rs[1]]
+    assert p.compute_group(rs, rs) == [rs[2], rs[3]]
+    assert p.static_claimable([rs[0], rs[1], rs[2], req(3, 2)]) == {id(rs[0]), id(rs[1]), id(rs[2])}
+
+
+def test_policy_names() -> None:
+    for name in POLICIES:
+        make_policy(name.replace(":K", ":4"))
+    assert make_policy("prefetch-gate").prefetch == "gate" and make_policy("prefetch-gate").lockstep
+    assert (
+        make_policy("bevy+prefetch-gate").prefetch == "gate"
+        and not make_policy("bevy+prefetch-gate").lockstep
+    )
+    # Only runahead policies split a waiting job: lockstep batches and static groups
+    # compute each layer's experts once for the whole batch.
+    split = {n: make_policy(n.replace(":K", ":4")).split for n in POLICIES}
+    assert split == {
+        n: n.startswith("bevy") and n not in ("bevy-static:K", "bevy-nosplit") for n in POLICIES
+    }
+    for bad in ("fastest", "bevy-static:0", "bevy-static:x"):
+        with pytest.raises(ValueError, match="policy|group size"):
+            make_policy(bad)
+
+
+def test_fetch_priority_follows_the_policy() -> None:
+    a, b = req(0, 9), req(1, 2)
+    bevy, srtf, sync = make_policy("bevy"), make_policy("bevy-srtf"), make_policy("sync")
+    # A low-layer job claimed later still fetches before a high-layer one queued earlier.
+    assert bevy.fetch_priority(b, 5, tick=10) < bevy.fetch_priority(a, 1, tick=3)
+    assert srtf.fetch_priority(a, 1, tick=10) < srtf.fetch_priority(b, 5, tick=3)
+    assert sync.fetch_priority(a, 1, tick=3) < sync.fetch_priority(b, 1, tick=10)

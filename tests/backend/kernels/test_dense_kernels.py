@@ -1,0 +1,181 @@
+"""The dense few-row kernels compute what float32 BLAS computes on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.kernels import dense as dense_kernels
+from backend.kernels import native, qmatmul
+from backend.kernels.quants import QType, dequantize
+from backend.models import transformer as transformer_mod
+from backend.models.gguf_export import write_gguf
+from backend.models.loader import load_model
+from tests.helpers.qblocks import HIDDEN, random_blocks
+from tests.helpers.reference import greedy_logits
+from tests.helpers.spy import spy
+from tests.helpers.tiny import make_tiny
+
+pytestmark = pytest.mark.usefixtures("kernels")
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0, QType.F32], ids=["q4_1", "q4_0", "f32"])
+@pytest.mark.parametrize("rows", [1, 3, qmatmul.MAX_ROWS])
+def test_dense_kernel_equals_float_matmul(qtype: QType, rows: int) -> None:
+    n, k = 160, HIDDEN
+    if qtype == QType.F32:
+        w = dense_kernels.FusedWeight(torch.randn(n, k), qtype, (n, k))
+        ref_w = w.data
+    else:
+        raw = random_blocks(qtype, n, k, seed=rows)
+        w = dense_kernels.FusedWeight(raw, qtype, (n, k))
+        ref_w = dequantize(raw, qtype, (n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = dense_kernels.dense_linear(w, x)
+    assert got is not None, "the compiled path did not run (no C++ compiler?)"
+    ref = F.linear(x, ref_w)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    # Each row is reduced on its own: alone or in any batch, bit for bit the same.
+    for i in range(rows):
+        assert torch.equal(dense_kernels.dense_linear(w, x[i : i + 1])[0], got[i])
+
+
+def test_stacked_weights_are_one_product() -> None:
+    parts = [
+        (random_blocks(QType.Q4_1, n, HIDDEN, seed=n), QType.Q4_1, (n, HIDDEN))
+        for n in (64, 32, 32)
+    ]
+    w = dense_kernels.FusedWeight.stacked(parts)
+    assert w is not None and w.shape == (128, HIDDEN)
+    x = torch.randn(2, HIDDEN)
+    got = dense_kernels.dense_linear(w, x)
+    ref = torch.cat([F.linear(x, dequantize(raw, q, s)) for raw, q, s in parts], -1)
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    # Types or widths that differ, or a type without a kernel: no stacked weight.
+    mixed = [parts[0], (random_blocks(QType.Q4_0, 32, HIDDEN, seed=1), QType.Q4_0, (32, HIDDEN))]
+    assert dense_kernels.FusedWeight.stacked(mixed) is None
+    q8 = [(torch.zeros(32 * HIDDEN // 32 * 34, dtype=torch.uint8), QType.Q8_0, (32, HIDDEN))]
+    assert dense_kernels.FusedWeight.stacked(q8) is None
+    with pytest.raises(ValueError):
+        dense_kernels.FusedWeight(parts[0][0][:-1], QType.Q4_1, (64, HIDDEN))
+
+
+def test_q8_head_reads_its_blocks() -> None:
+    """A float weight given its Q8_0 blocks (a GGUF LM head) is multiplied from the blocks
+    by the native kernel: within 1e-5 of float32 BLAS on the decoded weight, each row the
+    same alone as in any batch; without the native kernels, the compiled graph on the float
+    weight does it. Bytes of the wrong size are refused."""
+    n, k = 1001, HIDDEN
+    raw = random_blocks(QType.Q8_0, n, k, seed=8)
+    dense = dequantize(raw, QType.Q8_0, (n, k))
+    w = dense_kernels.FusedWeight(dense, QType.F32, (n, k), q8=raw)
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(8))
+    got = dense_kernels.dense_linear(w, x)
+    assert got is not None
+    if native.available():
+        assert torch.equal(got, native.linear(raw, QType.Q8_0, (n, k), x))
+    ref = F.linear(x, dense)
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for lo, hi in ((0, 1), (3, 4), (20, 21), (5, 8), (9, 20)):
+        assert torch.equal(dense_kernels.dense_linear(w, x[lo:hi]), got[lo:hi])
+    with pytest.raises(ValueError):
+        dense_kernels.FusedWeight(dense, QType.F32, (n, k), q8=raw[:-34])
+
+
+def test_gguf_head_stored_as_q8_keeps_its_blocks(smollm2_gguf, monkeypatch) -> None:
+    """SmolLM2's GGUF stores its (tied) head as Q8_0: with the native kernels, the model
+    keeps those blocks and decodes from them; either way its logits stay within 1e-4 of
+    float32 BLAS on the decoded head."""
+    calls = spy(monkeypatch, native, "linear")
+    model = load_model(smollm2_gguf)
+    t = model.transformer
+    head = t.fused["head"]
+    if native.available():
+        assert head.q8 is not None
+        assert head.q8.numel() == head.shape[0] * head.shape[1] // 32 * 34
+    else:
+        assert head.q8 is None
+    h = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(3))
+    x = transformer_mod.rms_norm(h, t.w["output_norm"], t.config.rms_eps)
+    ref = F.linear(x, t.w["token_embd"])
+    assert (t.logits(h) - ref).abs().max().item() <= 1e-4
+    assert any(a[1] == QType.Q8_0 and y is not None for a, y in calls) == native.available()
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.F32], ids=["q4_1", "f32"])
+def test_decoding_batches_are_chunked_and_rows_stay_independent(qtype: QType) -> None:
+    """Up to DENSE_MAX_ROWS rows go through the kernel in chunks: any row comes out bit
+    for bit as it does alone, in a batch of any size (a wide weight whose n is not a
+    multiple of the vector width, like a vocabulary)."""
+    n, k = 1001, 576
+    g = torch.Generator().manual_seed(5)
+    if qtype == QType.F32:
+        w = dense_kernels.FusedWeight(torch.randn(n, k, generator=g), qtype, (n, k))
+        ref_w = w.data
+    else:
+        raw = random_blocks(qtype, n, k, seed=5)
+        w = dense_kernels.FusedWeight(raw, qtype, (n, k))
+        ref_w = dequantize(raw, qtype, (n, k))
+    x = torch.randn(21, k, generator=g)
+    whole = dense_kernels.dense_linear(w, x)
+    assert whole is not None and whole.shape == (21, n)
+    ref = F.linear(x, ref_w)
+    assert (whole - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for lo, hi in ((0, 1), (3, 4), (20, 21), (5, 8), (9, 20)):
+        assert torch.equal(dense_kernels.dense_linear(w, x[lo:hi]), whole[lo:hi])
+
+
+def test_other_dense_cases_are_left_to_blas(monkeypatch) -> None:
+    dense = dense_kernels._Dense()
+    monkeypatch.setattr(dense_kernels, "_DENSE", dense)
+    w = dense_kernels.FusedWeight(torch.randn(64, HIDDEN), QType.F32, (64, HIDDEN))
+    assert (
+        dense_kernels.dense_linear(w, torch.randn(dense_kernels.DENSE_MAX_ROWS + 1, HIDDEN)) is None
+    )
+    assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN, dtype=torch.float64)) is None
+    assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN + 32)) is None  # wrong width
+    assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN)) is not None
+    # A kernel that fails leaves its own kind of weight to BLAS, not the others.
+    other = dense_kernels.FusedWeight(torch.randn(96, HIDDEN), QType.F32, (96, HIDDEN))
+    monkeypatch.setitem(dense_kernels._KERNELS, QType.F32, None)  # calling None raises
+    assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
+    assert (QType.F32, (96, HIDDEN)) in dense.broken
+    monkeypatch.undo()
+    monkeypatch.setattr(dense_kernels, "_DENSE", dense)
+    assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN)) is not None
+    assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
+
+
+def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch) -> None:
+    """A Q4_1 file gets stacked q/k/v, output and head kernels; decoding through them
+    gives what float32 BLAS on the same weights gives."""
+    path = write_gguf(
+        load_model(make_tiny("llama", tmp_path / "llama")), tmp_path / "m.gguf", QType.Q4_1
+    )
+    model = load_model(path)
+    t = model.transformer
+    c = model.config
+    assert set(t.fused) == {
+        f"blk.{i}.{n}" for i in range(c.n_layers) for n in ("attn_qkv", "attn_output")
+    } | {"head"}
+    assert t.fused["blk.0.attn_qkv"].shape == (
+        (c.n_heads + 2 * c.n_kv_heads) * c.head_dim,
+        c.hidden_size,
+    )
+    assert t.warm_up()
+    calls = spy(monkeypatch, transformer_mod, "dense_linear")
+    blocks = spy(monkeypatch, native, "attention_block")
+    _, fused = greedy_logits(model, [3, 17, 42, 5], steps=6)
+    ran = sum(out is not None for _, out in calls)
+    # Every decode step: the head, and each layer's qkv and output projections, by the
+    # kernels or inside the native attention block (one call reading both).
+    ran += 2 * sum(out is not None for _, out in blocks)
+    assert ran >= 6 * (2 * c.n_layers + 1)
+    assert any(out is not None for _, out in blocks) == native.available()
+    t.fused = {}
+    before = len(blocks)
+    _, plain = greedy_logits(model, [3, 17, 42, 5], steps=6)
+    assert not any(out is not None for _, out in blocks[before:])  # the ops, not the block
+    assert (fused - plain).abs().max().item() <= 1e-4

@@ -1,0 +1,296 @@
+"""`bevy serve`: the official OpenAI client against a real server process on the tiny MoE."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+KEY = "test-key"
+MODEL = "tiny-moe"  # the name of the tiny_chat_moe folder
+PROMPT = "Name three rivers."
+N_TOKENS = 8
+LONG = {"max_tokens": 4000, "ignore_eos": True}  # runs far longer than any test waits
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bevy(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "backend.serving.cli", *args], cwd=ROOT, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_moe: Path) -> subprocess.Popen:
+    """`bevy generate` at temperature 0, started early: it runs while the server loads."""
+    return _bevy(
+        "generate",
+        "--model",
+        str(tiny_chat_moe),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        str(N_TOKENS),
+        PROMPT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(
+    tiny_chat_moe: Path, reference: subprocess.Popen, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    port = _free_port()
+    logs = tmp_path_factory.mktemp("serve")
+    out, err = logs / "stdout.txt", logs / "stderr.txt"
+    with out.open("w") as o, err.open("w") as e:
+        proc = _bevy(
+            "serve",
+            *("--model", str(tiny_chat_moe), "--port", str(port), "--api-key", KEY),
+            *("--cache", "0.5"),
+            stdout=o,
+            stderr=e,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the server exited: {err.read_text()}"
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        # The one line announcing the server: printed just after it starts answering.
+        while f"{url}/v1" not in out.read_text():
+            assert time.monotonic() < deadline, f"no announcement: {out.read_text()!r}"
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def greedy_text(reference: subprocess.Popen) -> str:
+    stdout, stderr = reference.communicate(timeout=120)
+    assert reference.returncode == 0, stderr
+    assert stdout.endswith("\n")
+    return stdout[:-1]  # generate ends the reply with a newline
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _chat(client: openai.OpenAI, **kw):
+    messages = [{"role": "user", "content": PROMPT}]
+    defaults = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": N_TOKENS}
+    return client.chat.completions.create(**{**defaults, **kw})
+
+
+def _stats(server: str) -> dict:
+    r = httpx.get(f"{server}/v1/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def test_models_and_health(client: openai.OpenAI, server: str, tiny_chat_moe: Path) -> None:
+    assert [m.id for m in client.models.list().data] == [tiny_chat_moe.name] == [MODEL]
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"  # no key needed
+
+
+def test_chat_matches_bevy_generate(client: openai.OpenAI, greedy_text: str) -> None:
+    reply = _chat(client)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == greedy_text
+    assert choice.finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= N_TOKENS
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_stream_with_usage(client: openai.OpenAI, greedy_text: str) -> None:
+    chunks = list(_chat(client, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy_text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert not chunks[-1].choices and 0 < chunks[-1].usage.completion_tokens <= N_TOKENS
+
+
+def test_sixteen_concurrent_streams_get_the_greedy_reply(
+    client: openai.OpenAI, greedy_text: str
+) -> None:
+    texts: list[str] = []
+
+    def one() -> None:
+        stream = _chat(client, stream=True)
+        texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert texts == [greedy_text] * 16
+
+
+def test_completions_raw_prompt_stream_and_stop(client: openai.OpenAI) -> None:
+    args = {"model": MODEL, "prompt": "The river", "max_tokens": N_TOKENS, "temperature": 0}
+    done = client.completions.create(**args)
+    text = done.choices[0].text
+    assert done.object == "text_completion" and len(text) >= 6
+    assert done.usage.prompt_tokens == 2  # "The river": no chat template around it
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True))
+    assert streamed == text
+    stop = text[3:6]
+    cut = client.completions.create(**args, stop=[stop])
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_api_key_is_required(server: str) -> None:
+    wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as exc:
+        wrong.models.list()
+    assert exc.value.status_code == 401 and exc.value.code == "invalid_api_key"
+    for path in ("/v1/stats", "/metrics"):
+        r = httpx.get(f"{server}{path}")
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+
+
+def test_bad_requests_get_clear_4xx_errors(client: openai.OpenAI, server: str) -> None:
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.NotFoundError) as exc:
+        _chat(client, model="gpt-4o")
+    assert exc.value.code == "model_not_found" and "gpt-4o" in exc.value.message
+    with pytest.raises(openai.BadRequestError) as exc:
+        _chat(client, max_tokens=-5)
+    assert exc.value.param == "max_tokens" and "max_tokens must be >= 1" in exc.value.message
+    with pytest.raises(openai.BadRequestError) as exc:
+        _chat(client, messages=[{"role": "user", "content": "river " * 9000}])
+    assert exc.value.code == "context_length_exceeded" and "context is 8192" in exc.value.message
+    with pytest.raises(openai.BadRequestError) as exc:
+        _chat(client, n=2)
+    assert exc.value.param == "n"
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        _chat(client, tools=[tool], tool_choice="required")
+    assert exc.value.param == "tool_choice"
+
+
+def test_negative_seed_means_random_as_in_llama_cpp(client: openai.OpenAI) -> None:
+    reply = _chat(client, seed=-1, temperature=0.8)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_disconnect_mid_stream_aborts_and_releases_pins(server: str) -> None:
+    aborted = _stats(server)["api"]["aborted"]
+    body = {"messages": [{"role": "user", "content": PROMPT}], "stream": True, **LONG}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server}/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        rid = json.loads(next(lines)[6:])["id"]
+        for _ in range(3):
+            next(lines)
+        assert _stats(server)["active_requests"] == 1
+    # Leaving the block closed the connection mid-stream.
+    deadline = time.monotonic() + 10
+    while True:
+        s = _stats(server)
+        if (
+            s["api"]["aborted"] == aborted + 1
+            and s["active_requests"] == 0
+            and s["cache_pinned"] == 0
+            and s["requests"] == []
+        ):
+            break
+        assert time.monotonic() < deadline, f"request {rid} still holds the engine: {s}"
+        time.sleep(0.1)
+    assert s["api"]["completion_tokens"] < 1000  # it was cut short, not run to the end
+
+
+def test_stats_show_each_request_layer_and_metrics_are_prometheus(server: str) -> None:
+    body = {"messages": [{"role": "user", "content": PROMPT}], "stream": True, **LONG}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server}/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        rid = json.loads(next(lines)[6:])["id"]
+        deadline = time.monotonic() + 10
+        while not any(q["id"] == rid and q["tokens"] > 0 for q in _stats(server)["requests"]):
+            assert time.monotonic() < deadline
+            next(lines)
+        mine = next(q for q in _stats(server)["requests"] if q["id"] == rid)
+        assert 0 <= mine["layer"] < mine["n_layers"] and mine["session"] == "api"
+    metrics = httpx.get(f"{server}/metrics", headers=headers).text
+    for name in ("cache_hit_rate", "both_busy_ratio", "tokens_per_second", "cache_pinned_slots"):
+        assert f"# TYPE bevy_{name} gauge\nbevy_{name} " in metrics
+    assert 'bevy_api_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+
+
+def test_embedded_server_answers_429_when_the_queue_is_full(tiny_chat_moe: Path) -> None:
+    """The app's path: start_server on its own EngineService, on a free port."""
+    from backend.config import EngineConfig
+    from backend.serving.http import start_server
+    from backend.serving.service import EngineService
+
+    service = EngineService.open(tiny_chat_moe, EngineConfig(cache="0.5"))
+    handle = start_server(service, port=0, max_queue=1)
+    try:
+        assert handle.port != 0 and handle.url.startswith("http://127.0.0.1:")
+        # The queue's one place is taken by a long request submitted on the service itself
+        # (the app's own sessions share it); the API must then answer 429.
+        from backend.config import SamplingParams
+        from backend.messages import Submit
+
+        body = {"messages": [{"role": "user", "content": PROMPT}], "stream": False, **LONG}
+        url = f"{handle.url}/v1/chat/completions"
+        long = Submit("app-1", SamplingParams(**LONG), messages=body["messages"])
+        service.submit(long, lambda ev: None)
+        with httpx.Client(timeout=60) as http:
+            assert service.active == 1
+            busy = http.post(url, json=body)
+            assert busy.status_code == 429
+            assert busy.json()["error"]["code"] == "rate_limit_exceeded"
+            service.abort("app-1")
+            deadline = time.monotonic() + 10
+            while service.active:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            ok = http.post(url, json={**body, "stream": False, "max_tokens": 2})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        handle.stop()
+        service.close()
+    assert not handle.running

@@ -1,0 +1,96 @@
+"""EngineService fans one engine's events out to many clients."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+
+from backend.config import EngineConfig, SamplingParams
+from backend.messages import ErrorEvent, Finished, MetricsSnapshot, Submit, TokenEvent
+from backend.serving.service import EngineService, collect
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_chat_moe: Path):
+    svc = EngineService.open(tiny_chat_moe, EngineConfig(cache="0.5", metrics_interval_s=0.05))
+    yield svc
+    svc.close()
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_each_client_gets_only_its_own_events(service: EngineService) -> None:
+    results: dict[str, list] = {}
+
+    def client(i: int) -> None:
+        rid = service.new_id("t")
+        evs = collect(service, Submit(rid, GREEDY, messages=_chat(f"question {i}")))
+        assert all(e.request_id == rid for e in evs)
+        results[rid] = evs
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 6
+    for evs in results.values():
+        fin = evs[-1]
+        assert isinstance(fin, Finished) and fin.completion_tokens == 6
+        assert "".join(e.text for e in evs if isinstance(e, TokenEvent)) == fin.text
+    alone = collect(service, Submit("alone", GREEDY, messages=_chat("question 3")))
+    # Same greedy tokens whether the request ran beside others or alone.
+    ran_together = [
+        e[-1] for e in results.values() if e[-1].prompt_tokens == alone[-1].prompt_tokens
+    ]
+    assert any(f.token_ids == alone[-1].token_ids for f in ran_together)
+    assert service.active == 0
+
+
+def test_abort_ends_with_finished_abort_and_releases_pins(service: EngineService) -> None:
+    q: queue.Queue = queue.Queue()
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    service.submit(Submit("long", params, messages=_chat("hello")), q.put)
+    assert isinstance(q.get(timeout=60), TokenEvent)
+    service.abort("long")
+    ev = q.get(timeout=60)
+    while isinstance(ev, TokenEvent):
+        ev = q.get(timeout=60)
+    assert isinstance(ev, Finished) and ev.reason == "abort"
+    snaps: queue.Queue = queue.Queue()
+    unsubscribe = service.subscribe_metrics(snaps.put)
+    snap = snaps.get(timeout=10)
+    unsubscribe()
+    assert isinstance(snap, MetricsSnapshot) and snap.cache_pinned == 0
+    assert snap.n_layers == service.model.config.n_layers and snap.n_experts == 8
+
+
+def test_bad_request_and_duplicate_id_fail_alone(service: EngineService) -> None:
+    bad = collect(service, Submit("bad", GREEDY))  # neither messages nor prompt_ids
+    assert isinstance(bad[-1], ErrorEvent) and "exactly one" in bad[-1].message
+    q: queue.Queue = queue.Queue()
+    slow = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    service.submit(Submit("dup", slow, messages=_chat("a")), q.put)
+    second = collect(service, Submit("dup", GREEDY, messages=_chat("b")))
+    assert isinstance(second[-1], ErrorEvent) and "in use" in second[-1].message
+    service.abort("dup")
+    while not isinstance(q.get(timeout=60), Finished):
+        pass
+    ok = collect(service, Submit("after", GREEDY, messages=_chat("still serving?")))
+    assert isinstance(ok[-1], Finished)
+
+
+def test_a_broken_listener_does_not_stop_the_others(service: EngineService) -> None:
+    def broken(_ev) -> None:
+        raise RuntimeError("client bug")
+
+    service.submit(Submit("broken", GREEDY, messages=_chat("x")), broken)
+    ok = collect(service, Submit("fine", GREEDY, messages=_chat("y")))
+    assert isinstance(ok[-1], Finished) and ok[-1].completion_tokens == 6

@@ -1,0 +1,109 @@
+"""Tiny random HF models of every supported family, for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.08,
+    rms_norm_eps=1e-6,
+)
+
+FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2}),
+    # One dense layer in the middle exercises mixed dense/sparse stacks.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "head_dim": 16,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": True,
+        },
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "num_key_value_heads": 4,
+        },
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
+}
+
+
+def make_tiny(family: str, folder: Path) -> Path:
+    import transformers
+
+    cls, extra = FAMILY_CONFIGS[family]
+    config = getattr(transformers, cls)(**{**TINY, **extra}, tie_word_embeddings=False)
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Norm weights start at 1; jitter them so a missed norm cannot go unnoticed.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if "bias" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_logits(folder: Path, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of ``ids`` (the reference)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def make_tiny_chat(family: str, folder: Path, tokenizer_gguf: Path) -> Path:
+    """A tiny random model that speaks through SmolLM2's real tokenizer and chat template."""
+    import json
+
+    from backend.formats.gguf import read_gguf
+    from backend.text.tokenizer import Tokenizer
+
+    meta = read_gguf(tokenizer_gguf).metadata
+    tok = Tokenizer.from_gguf_metadata(meta, tokenizer_gguf)
+    saved = dict(TINY)
+    TINY.update(vocab_size=tok.vocab_size, max_position_embeddings=8192)
+    try:
+        make_tiny(family, folder)
+    finally:
+        TINY.clear()
+        TINY.update(saved)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    config = {
+        "chat_template": tok.chat_template,
+        "eos_token": tok.id_to_token(min(tok.eos_ids)),
+        "bos_token": None,
+        "add_bos_token": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
