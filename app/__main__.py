@@ -1,3 +1,5 @@
+"""``python -m app``: start the desktop app (see :func:`app.main.main`)."""
+
 import sys
 
 from app.main import main

@@ -4,7 +4,7 @@ Engine events arrive on the service's dispatcher thread; they cross to the GUI t
 through a queued signal, so every public signal here fires on the main thread. Metrics
 go through a throttle (newest wins, ~10 Hz). Loading a model takes seconds, so it runs
 on a worker thread and reports progress; conversations never depend on an engine being
-up (a reload stops the replies in flight, which the window saves as stopped).
+up (a reload stops the replies in flight, which the controller saves as stopped).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from backend.api import (
     EngineConfig,
     ErrorEvent,
     Finished,
-    MetricsSnapshot,
     SamplingParams,
     Submit,
     TokenEvent,
@@ -66,7 +65,7 @@ class Bridge(QObject):
         self._throttle = Throttle(interval_ms=100, parent=self)
         self._throttle.delivered.connect(self.metrics)
         # Queued even when emitted on the GUI thread (a refused submit answers at once):
-        # the window registers a request id after submit() returns, then sees its events.
+        # the controller registers a request id after submit() returns, then sees its events.
         self._event.connect(self._on_event, Qt.ConnectionType.QueuedConnection)
         self._snapshot.connect(self._throttle.push)
         self._loaded.connect(self._on_loaded)
@@ -84,6 +83,11 @@ class Bridge(QObject):
     @property
     def model_name(self) -> str:
         return self.service.model_name if self.service is not None else ""
+
+    @property
+    def expert_backend(self) -> str:
+        """How the running engine computes experts (chosen when it started)."""
+        return self.service.engine.expert_backend if self.service is not None else ""
 
     def load(self, model_path: str | Path | None, config: EngineConfig) -> None:
         """(Re)start the engine on ``model_path`` (None: the demo MoE) in the background.
@@ -139,7 +143,7 @@ class Bridge(QObject):
             self._unsubscribe = service.subscribe_metrics(self._snapshot.emit)
             service.on_failure(self._engine_died.emit)
             # Everything alive now (torch, Qt wrappers, the model) lives until the next
-            # load; a full collection walking it took 70-260 ms with the GIL held.
+            # load; frozen, the collector stops walking it, a long pause with the GIL held.
             gc.freeze()
             if self._api_wanted is not None:
                 err = self._start_api_server(*self._api_wanted)
@@ -208,9 +212,6 @@ class Bridge(QObject):
             self.finished.emit(ev)
         elif isinstance(ev, ErrorEvent):
             self.failed.emit(ev.request_id or "", ev.message)
-
-    def latest_metrics(self) -> MetricsSnapshot | None:
-        return self.service.latest if self.service is not None else None
 
     # --- compare runs -------------------------------------------------------------------
 

@@ -1,9 +1,18 @@
-"""The main window: sessions, the conversation, live panels, settings, models, compare."""
+"""The main window: the layout, the menus, and the wiring between widgets and controller.
+
+The window builds the session sidebar, the conversation view and input, the docked live
+panels and the status bar, and turns menu actions and button clicks into calls on the
+:class:`~app.controller.ChatController`, which owns the replies and every write of
+sessions and messages. What the controller reports (a reply started, a token, a reply
+finished, a session became busy or idle) comes back as signals the window turns into
+widget updates. A streaming reply is re-rendered on a timer rather than per token, so the
+view's cost stays the same however fast tokens arrive. The window edits the app settings
+(the controller holds them) and starts the engine from them.
+"""
 
 from __future__ import annotations
 
-from contextlib import suppress
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer
@@ -14,6 +23,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMenu,
     QMessageBox,
     QProgressDialog,
     QPushButton,
@@ -23,35 +33,20 @@ from PySide6.QtWidgets import (
 )
 
 from app.bridge import Bridge
+from app.controller import ChatController
 from app.dialogs.models import ModelManager
 from app.dialogs.session import SessionSettingsDialog
 from app.dialogs.settings import SettingsDialog
 from app.panels import CachePanel, OverlapPanel, ProgressPanel, ThroughputPanel
-from app.settings import AGENT_SYSTEM_PROMPT, ENGINE_KEYS, engine_config, merged, sampling
-from app.store import Store, StoreError
+from app.settings import ENGINE_KEYS, engine_config, merged
+from app.store import Store
 from app.widgets.chat import ConversationView, InputBox
 from app.widgets.compare import CompareView
 from app.widgets.sessions import SessionList
-from backend.api import Finished, MetricsSnapshot
+from backend.api import MetricsSnapshot
 
 RENDER_INTERVAL_MS = 66  # a streaming reply re-renders at most ~15 times a second
 PANEL_STAGGER_MS = 20
-
-
-@dataclass
-class Reply:
-    """A reply being generated: where it goes and what has arrived."""
-
-    session_id: int
-    message_id: int
-    history: list[dict]  # what the model is asked to continue
-    request_id: str | None = None  # None while waiting for the engine to load
-    chunks: list[str] = field(default_factory=list)
-    tokens: int = 0
-
-    @property
-    def text(self) -> str:
-        return "".join(self.chunks)
 
 
 class MainWindow(QMainWindow):
@@ -60,11 +55,13 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("Bevy")
         self.resize(1400, 860)
         self.store = store
-        self.settings = merged(store.get_setting("app"))
         self.bridge = bridge or Bridge(self)
-        self.messages: dict[int, list[dict]] = {}  # session id -> messages shown
-        self.replies: dict[int, Reply] = {}  # session id -> its reply in progress
-        self.by_request: dict[str, Reply] = {}
+        # The settings themselves, not a callback: the controller (a child QObject) must not
+        # refer back to the window. That cycle is left to the garbage collector, and PySide
+        # crashed when the collector freed it.
+        self.controller = ChatController(
+            store, self.bridge, merged(store.get_setting("app")), parent=self
+        )
         self.error_box: QMessageBox | None = None
         self._dirty: set[int] = set()
         self._load_dialog: QProgressDialog | None = None
@@ -137,9 +134,11 @@ class MainWindow(QMainWindow):
         self.send_button.clicked.connect(self._send_clicked)
         self.stop_button.clicked.connect(self.stop_current)
         self.session_settings_button.clicked.connect(self.edit_session_settings)
-        self.bridge.token.connect(self._on_token)
-        self.bridge.finished.connect(self._on_finished)
-        self.bridge.failed.connect(self._on_failed)
+        self.controller.reply_started.connect(self._changed)
+        self.controller.token.connect(self._changed)
+        self.controller.reply_finished.connect(self._changed)
+        self.controller.busy_changed.connect(self._on_busy)
+        self.controller.session_renamed.connect(self._on_renamed)
         self.bridge.metrics.connect(self._on_metrics)
         self.bridge.state_changed.connect(self._on_state)
         self.bridge.load_progress.connect(self._on_load_progress)
@@ -152,6 +151,15 @@ class MainWindow(QMainWindow):
 
         self.reload_sessions()
         self._update_status()
+
+    @property
+    def settings(self) -> dict:
+        """The app settings; the controller holds them, as replies are sampled with them."""
+        return self.controller.settings
+
+    @settings.setter
+    def settings(self, values: dict) -> None:
+        self.controller.settings = values
 
     # --- menus --------------------------------------------------------------------------
 
@@ -171,7 +179,13 @@ class MainWindow(QMainWindow):
         view.addSeparator()
         self._action(view, "Compare policies…", self.open_compare, "Ctrl+K")
 
-    def _action(self, menu, text: str, slot, shortcut=None) -> QAction:
+    def _action(
+        self,
+        menu: QMenu,
+        text: str,
+        slot: Callable[[], object],
+        shortcut: QKeySequence.StandardKey | str | None = None,
+    ) -> QAction:
         action = menu.addAction(text)
         action.triggered.connect(slot)
         if shortcut is not None:
@@ -218,8 +232,6 @@ class MainWindow(QMainWindow):
                     "The engine stopped",
                     f"{detail}\n\nConversations are saved; Model → Settings → OK restarts it.",
                 )
-            elif state == "ready":
-                self._submit_queued()
         self._update_status()
 
     def _on_load_progress(self, done: int, total: int) -> None:
@@ -236,7 +248,8 @@ class MainWindow(QMainWindow):
             c = b.config
             self.status_model.setText(f"Model: {b.model_name}")
             self.status_engine.setText(
-                f"{c.device} · {c.storage} · policy {c.policy} · cache {c.cache}"
+                f"{c.device} · {c.storage} · policy {c.policy} · cache {c.cache} · "
+                f"experts {b.expert_backend}"
             )
         else:
             self.status_model.setText(
@@ -255,14 +268,15 @@ class MainWindow(QMainWindow):
 
     def _on_metrics(self, snap: MetricsSnapshot) -> None:
         # Panels take turns, PANEL_STAGGER_MS apart: redrawing all four plots in one paint
-        # pass held the GUI thread for up to ~50 ms; one at a time each pass stays short.
-        # Each panel still refreshes at the throttle's rate, with the newest snapshot.
+        # pass holds the GUI thread long enough to delay streaming replies; one at a time
+        # each pass stays short. Each panel still refreshes at the throttle's rate, with the
+        # newest snapshot.
         self._latest = snap
         self._update_status(snap)
         for i, panel in enumerate(self.panels.values()):
             QTimer.singleShot(i * PANEL_STAGGER_MS, self, lambda p=panel: self._feed(p))
 
-    def _feed(self, panel) -> None:
+    def _feed(self, panel: OverlapPanel | CachePanel | ProgressPanel | ThroughputPanel) -> None:
         if self._latest is not None and panel.isVisible():
             panel.update_snapshot(self._latest)
 
@@ -275,46 +289,35 @@ class MainWindow(QMainWindow):
     def reload_sessions(self) -> None:
         rows = [{"id": s.id, "title": s.title, "kind": s.kind} for s in self.store.list_sessions()]
         self.sessions.set_sessions(rows)
-        for sid in self.replies:
+        for sid in self.controller.busy_sessions():
             self.sessions.set_busy(sid, True)
         if self.current_id is None and rows:
             self.sessions.select(rows[0]["id"])
 
     def new_session(self, kind: str = "chat") -> int:
-        title = "New agent session" if kind == "agent" else "New chat"
-        prompt = AGENT_SYSTEM_PROMPT if kind == "agent" else ""
-        sampling_overrides = {"max_tokens": 1024, "temperature": 0.2} if kind == "agent" else {}
-        s = self.store.create_session(title, kind, prompt, sampling_overrides)
+        s = self.controller.create_session(kind)
         self.sessions.add_session(s.id, s.title, s.kind)
         self.sessions.select(s.id)
         self.input.setFocus()
         return s.id
 
     def show_session(self, session_id: int) -> None:
-        if session_id not in self.messages:
-            self.messages[session_id] = [
-                {"role": m.role, "content": m.content, "status": m.status}
-                for m in self.store.messages(session_id)
-            ]
+        shown = self.controller.shown(session_id)
         s = self.store.session(session_id)
         self.title_label.setText(f"{s.title}  ({'coding agent' if s.kind == 'agent' else 'chat'})")
-        self.view.show_messages(self.messages[session_id])
-        self.stop_button.setEnabled(session_id in self.replies)
+        self.view.show_messages(shown)
+        self.stop_button.setEnabled(self.controller.is_busy(session_id))
 
     def rename_session(self, session_id: int, title: str) -> None:
-        self.store.rename_session(session_id, title)
+        self.controller.rename_session(session_id, title)  # _on_renamed updates the views
+
+    def _on_renamed(self, session_id: int, title: str) -> None:
         self.sessions.set_title(session_id, title)
         if session_id == self.current_id:
             self.show_session(session_id)
 
     def delete_session(self, session_id: int) -> None:
-        reply = self.replies.pop(session_id, None)
-        # Forget the reply now: tokens already queued for it have nowhere to go.
-        if reply is not None and reply.request_id is not None:
-            self.by_request.pop(reply.request_id, None)
-            self.bridge.abort(reply.request_id)
-        self.store.delete_session(session_id)
-        self.messages.pop(session_id, None)
+        self.controller.delete_session(session_id)
         self.sessions.remove(session_id)
         if self.current_id is None:
             self.view.show_messages([])
@@ -345,12 +348,7 @@ class MainWindow(QMainWindow):
         if sid is None:
             return None
         dialog = SessionSettingsDialog(self.store.session(sid), self.settings, self)
-
-        def save() -> None:
-            prompt, overrides = dialog.values()
-            self.store.update_session(sid, system_prompt=prompt, sampling=overrides)
-
-        dialog.accepted.connect(save)
+        dialog.accepted.connect(lambda: self.controller.update_session(sid, *dialog.values()))
         dialog.open()  # not exec(): other sessions keep streaming while it is open
         return dialog
 
@@ -363,123 +361,31 @@ class MainWindow(QMainWindow):
             self.send(text)
 
     def send(self, text: str, session_id: int | None = None) -> None:
-        """Add the user's message and start the reply in ``session_id`` (default: current)."""
+        """Add the user's message and start the reply in ``session_id`` (default: current,
+        or a new chat when there is none)."""
         sid = session_id if session_id is not None else self.current_id
         if sid is None:
             sid = self.new_session("chat")
-        if sid in self.replies:
+        if not self.controller.send(sid, text):
             self.statusBar().showMessage("This session is still replying: Esc stops it", 4000)
-            return
-        s = self.store.session(sid)
-        if s.title in ("New chat", "New agent session"):
-            title = " ".join(text.split())[:48]
-            self.rename_session(sid, title)
-        self.store.add_message(sid, "user", text)
-        history = self.store.history(sid)
-        msg = self.store.add_message(sid, "assistant", "", status="streaming")
-        shown = self.messages.setdefault(sid, [])
-        shown.append({"role": "user", "content": text, "status": "done"})
-        shown.append({"role": "assistant", "content": "", "status": "streaming"})
-        reply = Reply(sid, msg.id, history)
-        self.replies[sid] = reply
-        self.sessions.set_busy(sid, True)
-        self._submit(reply)
-        self._dirty.add(sid)
-        if sid == self.current_id:
-            self.stop_button.setEnabled(True)
-
-    def _submit(self, reply: Reply) -> None:
-        if not self.bridge.ready:
-            if self.bridge.state not in ("loading",):
-                self._end_reply(reply, "error", "No model is loaded: open Model → Settings.")
-            return  # submitted by _submit_queued once the engine is up
-        s = self.store.session(reply.session_id)
-        try:
-            params = sampling(self.settings, {"sampling": s.sampling})
-        except ValueError as exc:
-            self._end_reply(reply, "error", f"Invalid sampling settings: {exc}")
-            return
-        rid = self.bridge.submit(reply.history, params, session=s.title)
-        reply.request_id = rid
-        self.by_request[rid] = reply
-
-    def _submit_queued(self) -> None:
-        for reply in list(self.replies.values()):
-            if reply.request_id is None:
-                self._submit(reply)
 
     def stop_current(self) -> None:
         if self.current_id is not None:
-            self.stop(self.current_id)
+            self.controller.stop(self.current_id)
 
-    def stop(self, session_id: int) -> None:
-        reply = self.replies.get(session_id)
-        if reply is None:
-            return
-        if reply.request_id is None:
-            self._end_reply(reply, "stopped")
-        else:
-            self.bridge.abort(reply.request_id)  # Finished(abort) ends it
+    def _changed(self, session_id: int, _detail: str = "") -> None:
+        self._dirty.add(session_id)  # re-rendered by the next _render_dirty
 
-    def _on_token(self, request_id: str, text: str) -> None:
-        reply = self.by_request.get(request_id)
-        if reply is None:
-            return
-        reply.chunks.append(text)
-        reply.tokens += 1
-        self.store.update_message(reply.message_id, reply.text, reply.tokens)
-        shown = self.messages.get(reply.session_id)
-        if shown:
-            shown[-1]["content"] = reply.text
-        self._dirty.add(reply.session_id)
-
-    def _on_finished(self, ev: Finished) -> None:
-        reply = self.by_request.get(ev.request_id)
-        if reply is None:
-            return
-        status = {"abort": "stopped", "error": "error"}.get(ev.reason, "done")
-        self._end_reply(reply, status, None, ev.text, ev.prompt_tokens, ev.completion_tokens)
-
-    def _on_failed(self, request_id: str, message: str) -> None:
-        reply = self.by_request.get(request_id)
-        if reply is not None:
-            self._end_reply(reply, "error", message)
-
-    def _end_reply(
-        self,
-        reply: Reply,
-        status: str,
-        error: str | None = None,
-        text: str | None = None,
-        prompt_tokens: int | None = None,
-        completion_tokens: int | None = None,
-    ) -> None:
-        content = text if text is not None else reply.text
-        if error:
-            content = f"{content}\n\n> **Error:** {error}" if content else f"> **Error:** {error}"
-        with suppress(StoreError):  # the session was deleted while its reply was finishing
-            self.store.finish_message(
-                reply.message_id,
-                content,
-                status,
-                prompt_tokens,
-                completion_tokens if completion_tokens is not None else reply.tokens,
-            )
-        self.replies.pop(reply.session_id, None)
-        if reply.request_id is not None:
-            self.by_request.pop(reply.request_id, None)
-        shown = self.messages.get(reply.session_id)
-        if shown:
-            shown[-1].update(content=content, status=status)
-        self.sessions.set_busy(reply.session_id, False)
-        self._dirty.add(reply.session_id)
-        if reply.session_id == self.current_id:
-            self.stop_button.setEnabled(False)
+    def _on_busy(self, session_id: int, busy: bool) -> None:
+        self.sessions.set_busy(session_id, busy)
+        if session_id == self.current_id:
+            self.stop_button.setEnabled(busy)
 
     def _render_dirty(self) -> None:
         sid = self.current_id
-        if sid is not None and sid in self._dirty and sid in self.messages:
-            self.view.show_messages(self.messages[sid])
+        messages = self.controller.messages
+        if sid is not None and sid in self._dirty and sid in messages:
+            self.view.show_messages(messages[sid])
         self._dirty.clear()
 
     # --- dialogs ------------------------------------------------------------------------
@@ -526,8 +432,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt override)
         self._render_timer.stop()
-        for reply in list(self.replies.values()):
-            self._end_reply(reply, "stopped")
+        self.controller.stop_all()
         self.compare.close()
         self.bridge.shutdown()
         self.store.flush()

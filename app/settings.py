@@ -1,4 +1,8 @@
-"""App settings: defaults, validation and conversion to engine/sampling configs (no Qt)."""
+"""App settings: defaults, validation and conversion to engine/sampling configs (no Qt).
+
+Plain data and functions, so the window, the controller, the dialogs and the tests share
+one definition of a valid setting and of how it becomes an engine or sampling config.
+"""
 
 from __future__ import annotations
 

@@ -197,7 +197,6 @@ class Store:
         # commit; only a power cut can lose the newest commits.
         self.db.execute("PRAGMA synchronous = NORMAL")
         self.db.execute("PRAGMA foreign_keys = ON")
-        self.db.register_function(lambda s: s.casefold(), deterministic=True, name="casefold")
         try:
             self._migrate()
         except BaseException:
@@ -299,18 +298,6 @@ class Store:
             )
         return [_session(r) for r in rows]
 
-    def search_sessions(self, text: str) -> list[Session]:
-        """Sessions whose title contains ``text``, ignoring case (Unicode-aware, unlike LIKE)."""
-        with self._lock:
-            rows = list(
-                self.db["sessions"].rows_where(
-                    "instr(casefold(title), ?) > 0",
-                    [text.casefold()],
-                    order_by="updated DESC, id DESC",
-                )
-            )
-        return [_session(r) for r in rows]
-
     # --- messages -----------------------------------------------------------------------
 
     def add_message(
@@ -404,24 +391,11 @@ class Store:
                     [now, message_id],
                 )
 
-    def message(self, message_id: int) -> Message:
-        """A message as the app last gave it (pending streamed text included)."""
-        with self._lock:
-            rows = list(self.db["messages"].rows_where("id = ?", [message_id]))
-            if not rows:
-                raise StoreError(f"no message {message_id}")
-            return self._message(rows[0])
-
     def messages(self, session_id: int) -> list[Message]:
         """A session's messages, oldest first (pending streamed text included)."""
         with self._lock:
             rows = self.db["messages"].rows_where("session_id = ?", [session_id], order_by="id")
             return [self._message(r) for r in rows]
-
-    def delete_message(self, message_id: int) -> None:
-        with self._lock:
-            self._forget(message_id)
-            self.db.execute("DELETE FROM messages WHERE id = ?", [message_id])
 
     def history(self, session_id: int) -> list[dict[str, str]]:
         """The conversation for the model, OpenAI-style, system prompt first.
@@ -524,11 +498,6 @@ class Store:
                 [key, encoded],
             )
 
-    def settings(self) -> dict[str, Any]:
-        with self._lock:
-            rows = self.db.execute("SELECT key, value FROM settings ORDER BY key").fetchall()
-        return {k: json.loads(v) for k, v in rows}
-
     # --- compare runs -------------------------------------------------------------------
 
     def save_compare(
@@ -557,12 +526,6 @@ class Store:
         if not rows:
             raise StoreError(f"no compare run {run_id}")
         return _compare(rows[0])
-
-    def delete_compare(self, run_id: int) -> None:
-        with self._lock:
-            cur = self.db.execute("DELETE FROM compare_runs WHERE id = ?", [run_id])
-        if cur.rowcount == 0:
-            raise StoreError(f"no compare run {run_id}")
 
     # --- export -------------------------------------------------------------------------
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
-from backend.policies import EVICTION_POLICIES, policy_fields
+from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS, policy_fields
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ def parse_cache_size(spec: str | float | int, n_experts: int, slot_bytes: int) -
         ) from None
 
 
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1") != "0"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model. Validated here; model-dependent limits in the engine."""
@@ -77,11 +82,9 @@ class EngineConfig:
         "ssd"  # "ssd": experts read from the model file with O_DIRECT; "host": all in RAM
     )
     cache: str = "0.3"  # fraction, percentage, count or size (see parse_cache_size)
-    # "lfu", "lru" or "reuse" (see backend/engine/cache.py). Under bevy on the demo, "reuse"
-    # fetched 2-11 % fewer experts than LFU (and within 5 % of sync at every cache size),
-    # but its bookkeeping runs on the engine thread between jobs: on the 2-core CPU we
-    # measured, tokens/s went from +7 % (8 requests, 10 % cache) to -13 % (16 requests,
-    # 30 %) side by side with LFU. It pays where a fetch is long against that Python.
+    # "lfu", "lru" or "reuse" (see backend/engine/cache.py). "reuse" fetches fewer experts,
+    # but its bookkeeping runs on the engine thread between jobs, so it pays only where a
+    # fetch is long against that Python (docs/performance.md has both measured).
     eviction: str = "lfu"
     policy: str = "bevy"
     max_active: int = 16  # requests running at once; more wait in the admission queue
@@ -91,12 +94,27 @@ class EngineConfig:
     # directly for few rows, else dequantizes on use with a small working set of decoded
     # experts) or "decoded" (weights dequantized once by the link as part of the fetch;
     # slots are then several times larger).
-    # "auto" is "stored": on the 2-core CPU we measured, decoding on the link thread took
-    # a core from compute and lost more than it saved.
+    # "auto" is "stored": decoding on the link thread takes a core from compute, which
+    # was slower on the 2-core CPU it was tried on.
     slot_format: str = "auto"
     metrics_interval_s: float = 0.1
+    # How experts are computed: "auto" (chosen at start from the device, the slot format,
+    # the experts' block types and what builds) or one of EXPERT_BACKENDS, which must
+    # be able to run (backend/engine/experts/).
+    expert_backend: str = "auto"
+    # What may be used at all; the environment gives the defaults. ``native``: the
+    # hand-written CPU kernels for experts; ``compile``: Inductor graphs for experts (and
+    # with it the native ones, which need the same toolchain); ``aio``: Linux native AIO
+    # for batched expert reads (else one read per part).
+    native: bool = field(default_factory=lambda: _env_on("BEVY_NATIVE") and _env_on("BEVY_COMPILE"))
+    compile: bool = field(default_factory=lambda: _env_on("BEVY_COMPILE"))
+    aio: bool = field(default_factory=lambda: _env_on("BEVY_AIO"))
 
     def __post_init__(self) -> None:
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(
+                f"expert_backend must be one of {', '.join(EXPERT_BACKENDS)}, got {self.expert_backend!r}"
+            )
         if self.storage not in ("ssd", "host"):
             raise ValueError(f"storage must be 'ssd' or 'host', got {self.storage!r}")
         if self.eviction not in EVICTION_POLICIES:

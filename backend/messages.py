@@ -75,6 +75,7 @@ class MetricsSnapshot:
     n_layers: int = 0
     n_experts: int = 0  # routed experts per layer
     tokens_total: int = 0
+    expert_backend: str = ""  # the engine's expert-compute backend (backend/engine/experts)
 
 
 @dataclass(frozen=True)

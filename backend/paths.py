@@ -1,4 +1,5 @@
-"""Where Bevy keeps its files (platform app dirs; BEVY_HOME overrides for tests and portable installs)."""
+"""Where Bevy keeps its files: the platform's app dirs; BEVY_CACHE_DIR and BEVY_MODELS_DIR
+override them (tests, portable installs)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ without loading the engine. ``backend.engine.scheduler`` builds a ``Policy`` fro
 from __future__ import annotations
 
 EVICTION_POLICIES = ("lru", "lfu", "reuse")  # see backend/engine/cache.py
+# "auto" or one of backend/engine/experts/ (chosen once at start; see there).
+EXPERT_BACKENDS = ("auto", "native", "compiled", "grouped", "eager")
 
 POLICIES = (
     "bevy",

@@ -3,8 +3,8 @@ the demo's expert shape (hidden 576, 32 experts of 1536, top-4, Q4_1).
 
     python benchmarks/cuda_moe.py [--device cuda] [--layers 2] [--requests 8] [--tokens 16]
 
-For each policy, runs alternate between ``JobRunner._moe_grouped`` (a job's experts decoded
-and multiplied together) and the per-expert path it replaces, with the host tier. Prints
+For each policy, runs alternate between the ``grouped`` expert backend (a job's experts
+decoded and multiplied together) and ``eager`` (expert by expert), with the host tier. Prints
 tokens/s (prefill included: the prompts are short) and whether both gave the same tokens.
 Needs transformers (the test extra) to make the random model.
 """
@@ -51,10 +51,15 @@ def build(folder: Path, layers: int) -> Path:
 def run(
     model: LoadedModel, args: argparse.Namespace, policy: str, grouped: bool
 ) -> tuple[float, dict[str, list[int]]]:
-    config = EngineConfig(device=args.device, policy=policy, cache=args.cache, storage="host")
+    config = EngineConfig(
+        device=args.device,
+        policy=policy,
+        cache=args.cache,
+        storage="host",
+        expert_backend="grouped" if grouped else "eager",
+    )
     eng = Engine(model, config)
     try:
-        eng.jobs.grouped = grouped
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         gen = torch.Generator().manual_seed(1)
         for i in range(args.requests):

@@ -1,9 +1,15 @@
-"""Time the native Q4 expert kernel (``backend/kernels/native_q4.c``) per row count.
+"""Time the native Q4 expert kernel (``backend/kernels/q4_matmul.c``) per row count.
 
-    python benchmarks/q4_kernels.py                        # this tree's kernel
-    python benchmarks/q4_kernels.py --against OLD.c        # paired A/B against another source
-    git show HEAD~1:backend/kernels/native_q4.c > /tmp/old.c && python benchmarks/q4_kernels.py --against /tmp/old.c
-    python benchmarks/q4_kernels.py --against OLD.c --decode --requests 8 --cache 0.7
+    python benchmarks/q4_kernels.py                        # this tree's kernels
+    python benchmarks/q4_kernels.py --against OLD_DIR      # paired A/B against other sources
+    mkdir -p /tmp/old && git archive HEAD~1 backend/kernels | tar -x -C /tmp/old && python benchmarks/q4_kernels.py --against /tmp/old/backend/kernels
+    python benchmarks/q4_kernels.py --against OLD_DIR --decode --requests 8 --cache 0.7
+
+``--against`` takes a directory (its ``*.c`` compiled together, its ``*.h`` in the build's
+key: another tree's ``backend/kernels``) or one C file that holds all the kernels, as
+``native_q4.c`` did before the sources were split (``git show REV:backend/kernels/native_q4.c
+> /tmp/old.c``; ``backend/formats/native_q4.c`` before the move to ``backend/kernels``).
+Either must export every function ``backend.kernels.native`` binds.
 
 ``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
 ``--storage ssd``), each policy with each build in turn, and prints decode tokens/s.
@@ -59,7 +65,11 @@ def experts(n: int) -> list[tuple]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--against", type=Path, help="another native_q4.c to compare with")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        help="other kernel sources to compare with: a directory of them or one C file",
+    )
     ap.add_argument("--rows", default="1,2,3,4,8")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=7)
@@ -73,12 +83,8 @@ def main() -> int:
     args = ap.parse_args()
     builds = {"this tree": native.build()}
     if args.against:
-        here = native.SOURCE
-        native.SOURCE = args.against
-        try:
-            builds["against"] = native.build(Path(tempfile.mkdtemp(prefix="bevy-q4-")))
-        finally:
-            native.SOURCE = here
+        out = Path(tempfile.mkdtemp(prefix="bevy-q4-"))
+        builds["against"] = native.build(out, source=args.against)
     torch.set_num_threads(args.threads)
     if args.decode:
         return decode(builds, args)

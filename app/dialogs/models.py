@@ -1,4 +1,8 @@
-"""The model manager: local models, adding a GGUF file or HF folder, getting the demo MoE."""
+"""The model manager: local models, adding a GGUF file or HF folder, getting the demo MoE.
+
+A model is checked when it is added, so one that cannot be used is reported at once and
+never listed; building the demo runs on a worker thread, keeping the window responsive.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Per-session settings: system prompt and sampling overrides."""
+"""Per-session settings: system prompt and sampling overrides.
+
+Only ticked fields are stored with the session; the rest follow the app settings, so a
+later change of a default still reaches every session that did not override it.
+"""
 
 from __future__ import annotations
 

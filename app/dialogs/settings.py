@@ -1,4 +1,8 @@
-"""Settings: model, device, storage tier, cache size, policy, concurrency, sampling, API."""
+"""Settings: model, device, storage tier, cache size, policy, concurrency, sampling, API.
+
+OK checks the values the way the engine will read them and shows what is wrong in the
+dialog, so a bad value is refused here instead of failing the next engine load.
+"""
 
 from __future__ import annotations
 

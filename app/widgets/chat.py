@@ -1,4 +1,8 @@
-"""The conversation view (Markdown, code blocks, streaming) and the message input box."""
+"""The conversation view (Markdown, code blocks, streaming) and the message input box.
+
+The view re-renders the whole conversation as one Markdown document; its owner calls it
+at a capped rate while a reply streams, so the cost does not grow with the token rate.
+"""
 
 from __future__ import annotations
 

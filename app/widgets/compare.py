@@ -30,9 +30,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.bridge import Bridge
 from app.panels._theme import make_plot, theme_for
 from app.panels.overlap import IntervalsItem, intersect_intervals
 from app.settings import POLICIES
+from app.store import Store
 from backend.api import POLICY_NOTES
 
 COLUMNS = ("Policy", "tok/s", "× sync", "Hit rate", "Both busy", "Compute wait", "Exact")
@@ -76,7 +78,7 @@ class RunTimeline(QWidget):
 
 
 class CompareView(QWidget):
-    def __init__(self, bridge, store, parent: QWidget | None = None) -> None:
+    def __init__(self, bridge: Bridge, store: Store, parent: QWidget | None = None) -> None:
         super().__init__(parent, Qt.WindowType.Window)
         self.setWindowTitle("Compare policies")
         self.resize(1000, 760)

@@ -1,4 +1,9 @@
-"""The session sidebar: chat and coding-agent sessions, search by title, rename, delete."""
+"""The session sidebar: chat and coding-agent sessions, search by title, rename, delete.
+
+It keeps only what it displays (id, title, kind, busy) and never touches the store: the
+user's actions leave as signals for the window. Search filters the shown list in place,
+case-insensitively on titles, so typing needs no database query.
+"""
 
 from __future__ import annotations
 

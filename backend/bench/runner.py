@@ -43,6 +43,7 @@ class BenchPlan:
     repeats: int = 1
     eviction: str = "lfu"
     slot_format: str = "auto"
+    expert_backend: str = "auto"
     keep_lanes: bool = False  # records carry each lane's busy intervals (compare view)
 
 
@@ -74,6 +75,7 @@ def run_once(
         kv_budget_mib=1 << 16,
         metrics_interval_s=3600,
         slot_format=plan.slot_format,
+        expert_backend=plan.expert_backend,
     )
     eng = Engine(model, cfg)
     short_switch_interval()  # as the engine thread runs in the app and `bevy serve`
@@ -128,6 +130,7 @@ def run_once(
         "prefill_s": t0 - t_start,
         "cache_slots": eng.cache.n_slots,
         "slot_format": eng.slot_format,
+        "expert_backend": eng.expert_backend,
         "tokens": [tokens[f"b{i}"] for i in range(len(prompts))],
     }
     if plan.keep_lanes:
@@ -184,6 +187,7 @@ def run_bench(
                 "eviction": plan.eviction,
                 **med,
                 "slot_format": runs[0]["slot_format"],
+                "expert_backend": runs[0]["expert_backend"],
                 "tokens_identical_to_reference": all(
                     r["tokens_identical_to_reference"] for r in runs
                 ),
@@ -217,6 +221,7 @@ def format_tables(records: list[dict]) -> str:
         ).append(r)
     head = (
         "policy",
+        "experts",
         "tok/s",
         "x sync",
         "x best pf",
@@ -238,6 +243,7 @@ def format_tables(records: list[dict]) -> str:
             table.append(
                 (
                     r["policy"],
+                    r.get("expert_backend", "?"),
                     f"{r['tokens_per_s']:.2f}",
                     ratio(r["ratio_to_sync"]),
                     ratio(r["ratio_to_best_prefetch"]),

@@ -5,9 +5,7 @@ time gives the SSD a queue depth of 1 and wakes the link thread (which then need
 and the GIL) after every part. Here the link hands the kernel every part of the next few
 experts in one system call and sleeps in one ``io_getevents`` until as many reads as the
 oldest expert still needs have landed: the SSD sees several reads at once and the link
-thread wakes about once per expert instead of three times. On this project's 2-core test
-machine (demo MoE, 1.5 MB experts) a part-at-a-time read took 1.26 ms per expert and
-queued reads ~1.05 ms.
+thread wakes about once per expert instead of three times (measured: ``docs/performance.md``).
 
 Linux on x86-64 and arm64 only; ``open_reads`` returns None elsewhere, or where the kernel
 refuses an AIO context (``fs.aio-max-nr`` exhausted, a sandbox), and callers read with
@@ -141,8 +139,6 @@ def open_reads(depth: int) -> Reads | None:
     """An AIO context for ``depth`` reads, or None where native AIO is unavailable."""
     numbers = _SYSCALLS.get(platform.machine())
     if not sys.platform.startswith("linux") or numbers is None or sys.byteorder != "little":
-        return None
-    if os.environ.get("BEVY_AIO", "1") == "0":
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)

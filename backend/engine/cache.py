@@ -20,10 +20,14 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from backend.policies import EVICTION_POLICIES
+
+if TYPE_CHECKING:
+    from backend.engine.request import Request
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -392,3 +396,73 @@ class ExpertCache:
         # Heap entries went stale faster than they were pushed: rebuild from the evictable set.
         self._rebuild_heap()
         return self._victim()
+
+
+class Claims:
+    """Requests' holds on cache entries: the only code that pins, reserves and releases
+    experts for jobs (a prefetcher's guess holds no pin).
+
+    A job claims the experts it needs next all at once or not at all (``claim``), so two
+    jobs never wait on each other's pins; the claim then shrinks as experts are applied
+    (``release``). The request records what it holds (``Request.claim``; ``claimed``
+    while that is not empty); only this class changes either.
+    """
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.cache = cache
+
+    def claim(self, r: Request, keys: list[Key]) -> list[tuple[Key, int]] | None:
+        """Pin ``keys`` for ``r``: the resident ones as they are, a reserved slot for each
+        missing one. Returns the fetches to order, (key, slot) each; None, holding
+        nothing, if the cache cannot give the missing ones slots now."""
+        cache = self.cache
+        present = [k for k in keys if cache.is_present(k)]
+        absent = [k for k in keys if not cache.is_present(k)]
+        # Slots for the missing experts must come from outside the ones this job keeps.
+        if len(absent) > cache.n_reservable - cache.n_evictable(present):
+            return None
+        # Pin what is there first, so reserving slots for the rest cannot evict it.
+        for k in present:
+            cache.pin(k)
+        for k in keys:
+            cache.record_lookup(k)  # before reserving: a hit iff ready or loading
+        orders = [(k, cache.reserve(k)) for k in absent]
+        r.claim, r.claimed = list(keys), True
+        return orders
+
+    def release(self, r: Request, experts: Collection[int] | None = None) -> None:
+        """Unpin ``r``'s claimed experts that are in ``experts`` (all when None)."""
+        kept = []
+        for k in r.claim:
+            if experts is None or k[1] in experts:
+                self.cache.unpin(k)
+            else:
+                kept.append(k)
+        r.claim, r.claimed = kept, bool(kept)
+
+    def guess(self, key: Key) -> int | None:
+        """A slot for a prefetch of the absent ``key``, holding no pin, so any claim may
+        evict it before a job needs it; None when every slot is pinned."""
+        slot = self.cache.reserve(key)
+        if slot is not None:
+            self.cache.unpin(key)
+            self.cache.mark_prefetched(key)
+        return slot
+
+    def ride(self, keys: Iterable[Key]) -> None:
+        """An unclaimed request used ``keys`` that another job pinned: its claim, when it
+        comes, skips them, so they count as the hits they were."""
+        for k in keys:
+            self.cache.record_lookup(k)
+
+    def cancel(self, key: Key, holders: Iterable[Request]) -> list[Request]:
+        """A fetch that will not complete: its slot is freed, with the pins on it. Returns
+        the requests among ``holders`` that held one (they cannot go on)."""
+        self.cache.cancel(key)
+        lost = []
+        for r in holders:
+            if key in r.claim:
+                r.claim.remove(key)
+                r.claimed = bool(r.claim)
+                lost.append(r)
+        return lost

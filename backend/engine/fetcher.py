@@ -60,6 +60,7 @@ class Fetcher:
         telemetry: Telemetry,
         on_done: Done,
         decode: torch.dtype | None = None,
+        use_aio: bool = True,
     ) -> None:
         self.store = store
         self.slots = slots
@@ -76,7 +77,7 @@ class Fetcher:
         if self._cuda:
             self._stream = torch.cuda.Stream(device=slots.device)
         self._aio = None
-        if not self._cuda and decode is None and getattr(store, "direct", False):
+        if use_aio and not self._cuda and decode is None and getattr(store, "direct", False):
             self._aio = aio.open_reads(3 * QUEUED_EXPERTS)
         self._flights: dict[int, _Flight] = {}
         self._last_end = 0.0

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import EngineConfig, parse_cache_size
-from backend.engine.cache import ExpertCache
+from backend.engine import experts
+from backend.engine.cache import Claims, ExpertCache
 from backend.engine.fetcher import Fetcher
 from backend.engine.jobs import JobRunner
 from backend.engine.prefetch import Prefetcher
 from backend.engine.request import Request, RequestStatus
-from backend.engine.scheduler import make_policy
+from backend.engine.scheduler import Ride, make_policy, riders, split
 from backend.engine.store import open_store
 from backend.engine.telemetry import Telemetry, coalesce
 from backend.errors import BevyError
@@ -93,6 +94,7 @@ class Engine:
                 f"a cache of {n_slots} slots is below the legal minimum of {model.config.top_k} (one token's experts)"
             )
         self.cache = ExpertCache(n_slots, config.eviction)
+        self.claims = Claims(self.cache)
         if fmt == "decoded":
             self.slots = torch.empty((n_slots, decoded_numel), dtype=dtype, device=device)
         elif device.type == "cuda":
@@ -105,15 +107,29 @@ class Engine:
         self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._warm_up_decoders()
         self.telemetry = Telemetry()
-        # Stored slots keep a bounded set of recently decoded experts (see JobRunner).
+        # Stored slots keep a bounded set of recently decoded experts (see EagerExperts).
         working_set = 0
         if fmt == "stored":
             working_set = (config.working_set_mib << 20) // (decoded_numel * dtype.itemsize)
-        self.jobs = JobRunner(
-            model.transformer, model.experts, self.cache, self.slots, self.layouts, working_set
-        )
+        try:
+            backend = experts.select(
+                config.expert_backend,
+                model.transformer,
+                model.experts,
+                self.cache,
+                self.slots,
+                self.layouts,
+                working_set,
+                use_native=config.native,
+                use_compile=config.compile,
+            )
+        except BevyError:
+            self.store.close()
+            raise
+        self.expert_backend = backend.name
+        self.jobs = JobRunner(model.transformer, backend)
         self.prefetcher = (
-            Prefetcher(self.policy.prefetch, model, self.cache, self.telemetry)
+            Prefetcher(self.policy.prefetch, model, self.claims, self.telemetry)
             if self.policy.prefetch
             else None
         )
@@ -124,6 +140,7 @@ class Engine:
             self.telemetry,
             lambda k, lay, err: self._wake.put(_FetchDone(k, lay, err)),
             decode=dtype if fmt == "decoded" else None,
+            use_aio=config.aio,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -157,18 +174,6 @@ class Engine:
         }
         for qtype, n_blocks, block_bytes in shapes:
             fastquant.warm_up(qtype, n_blocks, block_bytes)
-        if self.slot_format == "stored":
-            from backend.kernels import qmatmul
-
-            kinds = {
-                tuple((p.qtype, tuple(p.shape), p.nbytes) for p in layer[0].parts)
-                for layer in self.model.experts
-                if layer
-            }
-            for kind in sorted(kinds):  # the same ones every run if there are too many
-                qmatmul.warm_up(
-                    tuple((torch.zeros(n, dtype=torch.uint8), q, shape) for q, shape, n in kind)
-                )
 
     # --- public API (any thread) --------------------------------------------------------
 
@@ -221,7 +226,7 @@ class Engine:
         group = self._schedule()
         if group:
             self._run(group)
-        elif self.policy.split and (part := self._split()):
+        elif self.policy.split and (part := split(self.running, self.cache.is_ready)):
             self._run_split(part)
         elif block or self.running:
             self._drain(block=True, timeout=0.05 if self.running else 0.2)
@@ -255,8 +260,9 @@ class Engine:
     def _handle(self, msg: object) -> None:
         if isinstance(msg, _FetchDone):
             if msg.error is not None:
-                self.cache.cancel(msg.key)
-                self._fail_requests_waiting_on(msg.key, msg.error)
+                for r in self.claims.cancel(msg.key, list(self.running)):
+                    self._emit(ErrorEvent(r.id, msg.error))
+                    self._finish(r, "error")
             else:
                 self.layouts[msg.key] = msg.layout
                 self.cache.complete(msg.key)
@@ -368,26 +374,12 @@ class Engine:
             )
             cache.set_positions([r.layer for r in self.running], self.model.config.n_layers, wanted)
         for r in self.policy.claim_order(blocked, self._missing, low):
-            keys = r.pending_keys(cache.n_slots)
-            present = [k for k in keys if cache.is_present(k)]
-            absent = [k for k in keys if not cache.is_present(k)]
-            # Slots for the missing experts must come from outside the ones this job keeps.
-            if len(absent) > cache.n_reservable - cache.n_evictable(present):
+            orders = self.claims.claim(r, r.pending_keys(cache.n_slots))
+            if orders is None:
                 break  # later claims wait too, so this job gets the next free slots
-            # Pin what is there first, so reserving slots for the rest cannot evict it.
-            for k in present:
-                cache.pin(k)
-            for k in keys:
-                cache.record_lookup(k)  # before reserving: a hit iff ready or loading
-            for k in absent:
-                slot = cache.reserve(k)
-                self.fetcher.submit(
-                    self.policy.fetch_priority(r, len(absent), self._tick),
-                    k,
-                    self.model.experts[k[0]][k[1]],
-                    slot,
-                )
-            r.claim, r.claimed = keys, True
+            priority = self.policy.fetch_priority(r, len(orders), self._tick)
+            for k, slot in orders:
+                self.fetcher.submit(priority, k, self.model.experts[k[0]][k[1]], slot)
 
     def _ready(self, r: Request) -> bool:
         return r.claimed and all(self.cache.is_ready(k) for k in r.claim)
@@ -405,68 +397,16 @@ class Engine:
                 ready.append(r)
         return self.policy.compute_group(self.running, ready)
 
-    def _riders(self, group: list[Request]) -> list[tuple[Request, set[int]]]:
-        """Decoding requests at the group's layer that are not in it, each with those of
-        its remaining experts the group runs anyway (all pinned and ready for the group)."""
-        layer = group[0].layer
-        experts = {e for r in group for _, e in r.claim}
-        members = {id(r) for r in group}
-        riders = []
-        for r in self.running:
-            if r.layer != layer or r.n != 1 or id(r) in members:
-                continue
-            mine = {e for _, e in r.claim} if r.claimed else set(r.needed) - r.done
-            subset = mine & experts
-            if subset:
-                riders.append((r, subset))
-        return riders
-
-    def _split(self) -> list[tuple[Request, set[int]]]:
-        """With no job ready, the experts already in the cache of decoding jobs still
-        waiting for others: those at the lowest such layer, each with its ready experts
-        not yet applied. Computing them now, while the link loads the rest, leaves less
-        for the job to do once its last expert arrives (see ``Policy.split``)."""
-        best: list[tuple[Request, set[int]]] = []
-        for r in self.running:
-            if not r.claimed or r.n != 1 or (best and r.layer > best[0][0].layer):
-                continue
-            ready = {k[1] for k in r.claim if self.cache.is_ready(k)}
-            if not ready or len(ready) == len(r.claim):  # none, or a job that is ready
-                continue
-            if best and r.layer < best[0][0].layer:
-                best = []
-            best.append((r, ready))
-        if not best:
-            return best
-        # An expert that a request at this layer still needs but cannot apply now is left
-        # for later, to run once for all (as a group or riders): splitting it off here
-        # would compute it twice. One this split applies for all its requests stays.
-        layer = best[0][0].layer
-        needers: dict[int, int] = {}
-        for r in self.running:
-            if r.layer == layer:
-                for e in set(r.needed) - r.done:
-                    needers[e] = needers.get(e, 0) + 1
-        here: dict[int, int] = {}
-        for _, ready in best:
-            for e in ready:
-                here[e] = here.get(e, 0) + 1
-        best = [(r, {e for e in ready if here[e] == needers[e]}) for r, ready in best]
-        return [(r, ready) for r, ready in best if ready]
-
-    def _run_split(self, part: list[tuple[Request, set[int]]]) -> None:
+    def _run_split(self, part: list[Ride]) -> None:
         """Apply ``part``'s ready experts to their requests (as riders of an empty group),
-        then release those experts' pins."""
+        then release those experts' pins (each keeps its claim on the ones loading)."""
         t0 = time.perf_counter()
         layer = part[0][0].layer
         self.jobs.run([], part)  # none completes its layer: each still waits for one
         if self.slots.device.type == "cuda":  # as in ``_run``: before the link may reuse them
             torch.cuda.current_stream(self.slots.device).synchronize()
-        for r, subset in part:  # each keeps its claim on the experts still loading
-            for k in r.claim:
-                if k[1] in subset:
-                    self.cache.unpin(k)
-            r.claim = [k for k in r.claim if k[1] not in subset]
+        for r, subset in part:
+            self.claims.release(r, subset)
         self.telemetry.record_compute(
             t0, time.perf_counter(), layer, tuple(r.id for r, _ in part), len(part)
         )
@@ -476,32 +416,21 @@ class Engine:
     def _run(self, group: list[Request]) -> None:
         t0 = time.perf_counter()
         layer = group[0].layer
-        claims = [k for r in group for k in r.claim]
-        riders = self._riders(group) if self.policy.ride else []
-        # The pins each claimed rider gives up once it has ridden on those experts
-        # (taken now: a request that completes its layer gets a fresh, empty claim).
-        ridden = []
-        for r, subset in riders:
-            if r.claimed:
-                ridden.append((r, [k for k in r.claim if k[1] in subset]))
-            else:  # its claim, when it comes, skips these: count them as hits
-                for e in subset:
-                    self.cache.record_lookup((layer, e))
-        done, logits = self.jobs.run(group, riders)
+        ride = riders(self.running, group) if self.policy.ride else []
+        for r, subset in ride:
+            if not r.claimed:
+                self.claims.ride((layer, e) for e in subset)
+        done, logits = self.jobs.run(group, ride)
         if self.slots.device.type == "cuda":
             # Kernels reading these slots may still be queued: finish them before the
             # link may overwrite an unpinned slot on its own stream.
             torch.cuda.current_stream(self.slots.device).synchronize()
-        for k in claims:
-            self.cache.unpin(k)
         for r in group:
-            r.claim, r.claimed, r.ready_since = [], False, 0
-        for r, keys in ridden:
-            for k in keys:
-                self.cache.unpin(k)
-            if r.claimed:
-                r.claim = [k for k in r.claim if k not in keys]
-                r.claimed = bool(r.claim)
+            self.claims.release(r)
+            r.ready_since = 0
+        for r, subset in ride:
+            if r.claimed:  # what it rode on; all it held if that completed its layer
+                self.claims.release(r, subset)
         continuing: list[Request] = []
         if logits is not None:
             if self.logits_log is not None:
@@ -514,7 +443,7 @@ class Engine:
                 for r in continuing:
                     r.start, r.n = r.start + r.n, 1
                 self.jobs.start(continuing, [[r.out_ids[-1]] for r in continuing])
-        rows = [*group, *(r for r, _ in riders)]
+        rows = [*group, *(r for r, _ in ride)]
         self.telemetry.record_compute(
             t0, time.perf_counter(), layer, tuple(r.id for r in rows), sum(r.n for r in rows)
         )
@@ -550,9 +479,7 @@ class Engine:
 
     def _finish(self, r: Request, reason: str) -> None:
         if r.claimed:
-            for k in r.claim:
-                self.cache.unpin(k)
-            r.claim, r.claimed = [], False
+            self.claims.release(r)
         if r in self.running:
             self.running.remove(r)
         elif r in self.waiting:
@@ -577,13 +504,6 @@ class Engine:
                 r.id, reason, "".join(r.text), len(r.prompt_ids), len(r.out_ids), tuple(r.out_ids)
             )
         )
-
-    def _fail_requests_waiting_on(self, key: tuple[int, int], error: str) -> None:
-        for r in list(self.running):
-            if key in r.claim:
-                r.claim.remove(key)  # its pin went with the cancelled slot
-                self._emit(ErrorEvent(r.id, error))
-                self._finish(r, "error")
 
     # --- events and metrics -------------------------------------------------------------
 
@@ -644,4 +564,5 @@ class Engine:
             n_layers=n_layers,
             n_experts=self.model.config.n_experts,
             tokens_total=self.telemetry.n_tokens,
+            expert_backend=self.expert_backend,
         )

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from backend.engine.cache import ExpertCache
+from backend.engine.cache import Claims
 from backend.engine.request import Request
 from backend.engine.telemetry import Telemetry
 from backend.models.loader import LoadedModel
@@ -22,14 +22,13 @@ PREFETCH_PRIORITY = 1 << 60  # after every demand fetch in the link's queue
 
 
 class Prefetcher:
-    def __init__(
-        self, kind: str, model: LoadedModel, cache: ExpertCache, telemetry: Telemetry
-    ) -> None:
+    def __init__(self, kind: str, model: LoadedModel, claims: Claims, telemetry: Telemetry) -> None:
         if kind not in ("gate", "history"):
             raise ValueError(f"unknown prefetch kind {kind!r}")
         self.kind = kind
         self.model = model
-        self.cache = cache
+        self.claims = claims
+        self.cache = claims.cache
         self.telemetry = telemetry
         c = model.config
         self.counts = torch.zeros(c.n_layers, max(c.n_experts, 1), max(c.n_experts, 1))
@@ -72,11 +71,9 @@ class Prefetcher:
                 key = (r.layer + 1, e)
                 if self.cache.is_present(key):
                     continue
-                slot = self.cache.reserve(key)
+                slot = self.claims.guess(key)
                 if slot is None:
                     return  # no unpinned slot: guessing would evict what jobs need
-                self.cache.unpin(key)  # a guess holds no pin
-                self.cache.mark_prefetched(key)
                 fetcher.submit(
                     (PREFETCH_PRIORITY, r.layer),
                     key,

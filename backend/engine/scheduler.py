@@ -19,6 +19,7 @@ Pure Python over ``Request`` state, so every policy is tested without torch work
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,10 +41,10 @@ class Policy:
     fetch_order: str = "layer"  # "layer" (lowest layer, then fewest missing) or "srtf"
     prefetch: str | None = None  # None, "gate" or "history"
     # Requests at the group's layer that wait for other experts ride along on the ones
-    # the group runs (their rows join the same products; see ``Engine._riders``).
+    # the group runs (their rows join the same products; see ``riders``).
     ride: bool = True
     # With no job ready, decoding jobs still waiting for some experts apply the ones
-    # already in the cache (see ``Engine._split``): the compute lane works while the
+    # already in the cache (see ``split``): the compute lane works while the
     # link loads the rest, and the job has less left to do when they arrive.
     split: bool = True
 
@@ -115,6 +116,57 @@ class Policy:
         return {
             id(r) for g in self._groups(running) for r in g if r.layer == min(x.layer for x in g)
         }
+
+
+Ride = tuple["Request", set[int]]  # a request and some of its experts to apply in a run
+
+
+def riders(running: Sequence[Request], group: Sequence[Request]) -> list[Ride]:
+    """Decoding requests at the group's layer that are not in it, each with those of its
+    remaining experts the group runs anyway (all pinned and ready for the group): their
+    rows join those experts' products, so each expert's bytes are read once for all."""
+    layer = group[0].layer
+    experts = {e for r in group for _, e in r.claim}
+    members = {id(r) for r in group}
+    out = []
+    for r in running:
+        if r.layer != layer or r.n != 1 or id(r) in members:
+            continue
+        mine = {e for _, e in r.claim} if r.claimed else set(r.needed) - r.done
+        subset = mine & experts
+        if subset:
+            out.append((r, subset))
+    return out
+
+
+def split(running: Sequence[Request], is_ready: Callable[[tuple[int, int]], bool]) -> list[Ride]:
+    """With no job ready: decoding jobs still waiting for some experts, at the lowest such
+    layer, each with its claimed experts that are ready. Applying them now, while the link
+    loads the rest, leaves less for the job to do once its last expert arrives.
+
+    An expert that another request at this layer still needs but cannot apply now is left
+    out, to run once for all later (as a group or riders): splitting it off here would
+    compute it twice. One this split applies for every request that needs it stays."""
+    best: list[Ride] = []
+    for r in running:
+        if not r.claimed or r.n != 1 or (best and r.layer > best[0][0].layer):
+            continue
+        ready = {k[1] for k in r.claim if is_ready(k)}
+        if not ready or len(ready) == len(r.claim):  # none, or a job that is ready
+            continue
+        if best and r.layer < best[0][0].layer:
+            best = []
+        best.append((r, ready))
+    if not best:
+        return best
+    layer = best[0][0].layer
+    needers: Counter[int] = Counter()
+    for r in running:
+        if r.layer == layer:
+            needers.update(set(r.needed) - r.done)
+    here: Counter[int] = Counter(e for _, ready in best for e in ready)
+    best = [(r, {e for e in ready if here[e] == needers[e]}) for r, ready in best]
+    return [(r, ready) for r, ready in best if ready]
 
 
 def make_policy(name: str) -> Policy:

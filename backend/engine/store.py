@@ -68,10 +68,9 @@ def _huge_page_buffer(size: int) -> torch.Tensor | None:
     """``size`` bytes of private anonymous memory, 2 MiB-aligned, that the kernel may back
     with transparent huge pages (Linux ``madvise``); None where that is not offered.
 
-    Measured with the demo MoE (a 1-row expert kernel looping while the link reads random
-    experts at ~1,150 per second): with 4 KiB pages each O_DIRECT read pins hundreds of
-    pages, the link thread spent ~85 us of kernel time per expert, and the kernel call
-    slowed from 0.27-0.29 ms to 0.37-0.47 ms; with huge pages, 0.34-0.36 ms and ~35 us."""
+    With 4 KiB pages each O_DIRECT read of an expert pins hundreds of pages, and the link
+    thread's kernel time for that is taken from the compute running beside it; a huge
+    page pins a part's bytes at once. Measured: ``docs/performance.md``."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or size < HUGE_PAGE:
         return None

@@ -28,13 +28,10 @@ class FusedWeight:
     """A dense weight [n, k] with compiled kernels for products with few rows (decoding).
 
     Q4_0 / Q4_1 weights are kept in their stored blocks beside the float32 copy the model
-    already has (4-6x fewer bytes to read per product; a demo layer's q/k/v + output
-    projections at one row: ~0.09 ms against ~0.3 ms in float32, cycling through all
-    layers). Other types use the float32 tensor itself: CPU BLAS handles a few rows
-    against a wide matrix badly (SmolLM2's [49152, 576] head: 10 ms for 1 row, 18-39 ms
-    for 2-8), the compiled graph reads the matrix once for all rows (4.4 ms for 1 row,
-    5.3 ms for 4, 11 ms for 8). Weights of one type and width may be stacked along n
-    (q, k, v: one call)."""
+    already has (4-6x fewer bytes to read per product). Other types use the float32 tensor
+    itself: CPU BLAS handles a few rows against a wide matrix badly, and the compiled graph
+    reads the matrix once for all rows. Weights of one type and width may be stacked along
+    n (q, k, v: one call). Measured costs: ``docs/performance.md``."""
 
     def __init__(
         self,
@@ -45,8 +42,7 @@ class FusedWeight:
     ) -> None:
         """``q8``: for a float32 weight stored as Q8_0 (most GGUF files' LM head), its
         blocks, which ``native``'s kernel reads instead of the float copy where it builds:
-        a quarter of the bytes (SmolLM2's head at 1 / 4 / 8 rows: 2.0 / 2.0 / 3.4 ms
-        against 5.8 / 8.2 / 10.3 ms, 2 threads)."""
+        about a quarter of the bytes (34 per 32 values instead of 128)."""
         n, k = shape
         if qtype == QType.F32:
             if data.dtype != torch.float32 or tuple(data.shape) != (n, k):

@@ -1,38 +1,35 @@
 """Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q8_0 weights and for decoding
-attention (``native_q4.c``), built with the system C compiler on first use and cached per
-machine.
+attention, in C: ``q4_matmul.c`` (the products, one expert, a MoE layer's experts),
+``attention.c`` (decoding attention and the attention block) and the headers both include
+(``simd.h``: vector helpers; ``kernels.h``: the exported functions, whose signatures are the
+ctypes argtypes set below). They are compiled together into one library with the system C
+compiler on first use and cached per machine. What they were measured to take is in
+``docs/performance.md``; this states what they compute and why they are built so.
 
 Decoding multiplies one to eight rows by each weight, so the time goes to widening the
 4-bit weights, not to arithmetic on the rows. The Inductor graphs of ``qmatmul`` widen
 each block once for all rows too, but the kernel below does it with fewer instructions
 (AVX2 or AVX-512) and runs a whole expert (gate, up, SiLU, down) in one call, with no
-Python between its steps. On this project's 2-core test machine (demo MoE, Q4_1,
-[1536, 576] experts, 64 experts in turn so their bytes are not in cache), one expert
-took 133-156 us for one row against 221 us by the Inductor graphs; 2 rows 164-200
-against 266 us, 8 rows ~470 against ~550 us. The kernel is compiled once per row count
-(1-8) so that its accumulators stay in registers: on a slower machine of the same kind,
-that took 11-24 % off each call at 1-8 rows (one row 0.36 -> 0.29 ms, 4 rows 0.53 ->
-0.40, 8 rows 0.76 -> 0.67; ``benchmarks/q4_kernels.py --against`` the older source, 2
-threads), the same bits. Each kernel also prefetches the weight rows it reads next: R
-rows of a few hundred bytes read side by side are short streams the hardware prefetcher
-does not pick up in time. With the experts' bytes in memory, not in the CPU's cache (960
-slots in huge pages, as the engine holds them; 18 experts per call), that took an expert
-from 0.177 to 0.136 ms at one row and 0.256 to 0.198 at two, and sync decoding at 100 %
-cache from 49-50 to 56-57 tokens/s (both builds in one process), the same bits.
+Python between its steps. The kernel is compiled once per row count (1-8) so that its
+accumulators stay in registers. Each kernel also prefetches the weight rows it reads
+next: R rows of a few hundred bytes read side by side are short streams the hardware
+prefetcher does not pick up in time when the experts' bytes are in memory, not in the
+CPU's cache (as the engine's slots hold them). Neither changes a result's bits.
 
 It needs a C compiler with OpenMP (``cc``, or ``$CC``) and an x86-64 CPU with AVX2, FMA and
 F16C; elsewhere, or if the build fails, ``available()`` is False and callers keep
 their compiled graphs. ``BEVY_NATIVE=0`` (or ``BEVY_COMPILE=0``) turns it off. The
 library is built with ``-march=native`` into the cache directory under a name that
-hashes the source, the flags, the compiler and the CPU (model and feature flags on Linux;
-elsewhere only the platform's description of the processor). It runs on as many threads
-as torch's intra-op setting of the calling thread.
+hashes every source and header, the flags, the compiler and the CPU (model and feature
+flags on Linux; elsewhere only the platform's description of the processor), so an edit
+to any of them builds it again. It runs on as many threads as torch's intra-op setting of
+the calling thread.
 
-``moe`` runs all of a job's experts in one call (the engine's ``JobRunner._moe_native``):
-the Python and torch ops per expert it saves were ~3-8 % of decoding throughput at chat
-8 requests, 70 % cache (A/B in one process, both bevy and sync). With at least two
-experts per thread, the threads take whole experts in turn (one parallel region per call
-instead of three barriers per expert), and the products are added in order after.
+``moe`` runs all of a job's experts in one call (the engine's ``native`` expert backend, ``backend/engine/experts/native.py``),
+without the Python and torch ops per expert that calling ``expert_mlp`` for each costs.
+With at least two experts per thread, the threads take whole experts in turn (one
+parallel region per call instead of three barriers per expert), and the products are
+added in order after.
 
 Results agree with dequantize-then-matmul to float32 rounding (~1e-6 relative), like
 the graphs; each row is reduced on its own, so a row's result is the same alone and in
@@ -67,7 +64,11 @@ from backend.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native_q4.c")
+HERE = Path(__file__).parent
+# The C files compiled together into the one library, and the headers they include (which
+# go into the build's key too: an edit to a header builds the library again).
+SOURCES = ("q4_matmul.c", "attention.c")
+HEADERS = ("simd.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20}
 # ``linear`` also takes Q8_0 (most GGUF files' LM head): f16 d and 32 int8.
@@ -93,18 +94,43 @@ def _cpu_id() -> str:
         return platform.processor() + platform.platform()
 
 
-def build(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Compile (or reuse the cached build of) the kernels and load them. Raises on failure."""
+def sources(where: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """(C files to compile, headers they include): this package's ``SOURCES`` and
+    ``HEADERS``, or another tree's for an A/B (``benchmarks/q4_kernels.py --against``):
+    ``where``'s ``*.c`` and ``*.h`` if it is a directory, else ``where`` alone (one C file
+    holding them all, as ``native_q4.c`` did before the sources were split)."""
+    if where is None:
+        return [HERE / n for n in SOURCES], [HERE / n for n in HEADERS]
+    if where.is_dir():
+        found = sorted(where.glob("*.c")), sorted(where.glob("*.h"))
+        if not found[0]:
+            raise OSError(f"no C sources in {where}")
+        return found
+    return [where], []
+
+
+def build_key(files: list[Path], flags: tuple[str, ...], cc: str) -> str:
+    """The cached library's name: every file by name and bytes (renaming one, moving code
+    between them or editing a header gives another key), the flags, the compiler, the CPU."""
+    parts = [p.name.encode() + b"\0" + p.read_bytes() for p in files]
+    return hashlib.sha256(
+        b"\0".join([*parts, " ".join(flags).encode(), cc.encode(), _cpu_id().encode()])
+    ).hexdigest()[:20]
+
+
+def build(
+    out_dir: Path | None = None, extra_flags: tuple[str, ...] = (), source: Path | None = None
+) -> ctypes.CDLL:
+    """Compile (or reuse the cached build of) the kernels and load them. Raises on failure.
+    ``source``: another tree's kernels instead of this package's (see ``sources``)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise UnsupportedCPU(f"they are written for x86-64, not {platform.machine()}")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc) found")
     flags = (*FLAGS, *extra_flags)
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(flags).encode(), cc.encode(), _cpu_id().encode()])
-    ).hexdigest()[:20]
+    srcs, headers = sources(source)
+    key = build_key([*srcs, *headers], flags, cc)
     out_dir = out_dir or cache_dir() / "kernels"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"native_q4-{key}.so"
@@ -114,7 +140,7 @@ def build(out_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> cty
         os.close(fd)
         try:
             done = subprocess.run(
-                [cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                [cc, *flags, "-o", tmp, *map(str, srcs), "-lm"],
                 capture_output=True,
                 text=True,
                 timeout=120,

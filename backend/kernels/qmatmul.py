@@ -2,8 +2,8 @@
 ``backend.kernels.dense`` uses the same graphs for dense weights.
 
 Where the hand-written kernels of ``backend.kernels.native`` build (x86-64 with AVX2 and a
-C compiler), ``expert_mlp`` runs them instead: about 1.5x faster for one row, and
-nothing to compile per shape. The graphs below are the fallback everywhere else.
+C compiler), ``expert_mlp`` runs them instead: fewer instructions per block, and nothing
+to compile per shape. The graphs below are the fallback everywhere else.
 
 Decoding tokens reach each expert one or two rows at a time. Dequantizing the whole
 expert for them (three float32 matrices written and read back, ~10 MB for a demo
@@ -21,12 +21,9 @@ output does not depend on its batch-mates.
 
 Each row count in ``ROW_BUCKETS`` has a graph of its own, with one reduction per row
 over the same blocks: Inductor fuses them into one loop that unpacks each block once for
-all rows. Other counts are zero-padded to the next bucket. Above ``MAX_ROWS`` rows, an
-expert is dequantized once and multiplied by BLAS instead. On the 2-core CPU this was measured
-on, a demo expert took about 0.20 ms (1 row), 0.28 ms (2) and 0.53 ms (8) called as
-``_Compiled`` calls it, against ~2.1 ms to dequantize it and multiply (and 0.27 / 0.5 /
-0.9 / 1.7 ms with one dynamic-row graph that unpacked the blocks once per row). The eager
-SiLU between the two graphs costs ~0.05 ms of that per call.
+all rows (one graph for any row count would unpack them once per row). Other counts are
+zero-padded to the next bucket. Above ``MAX_ROWS`` rows, an expert is dequantized once and
+multiplied by BLAS instead. What these cost per demo expert is in ``docs/performance.md``.
 
 Like ``fastquant`` it needs a C++ compiler at run time; ``BEVY_COMPILE=0`` or a failed
 compile leaves callers on the dequantizing path (experts) or float32 BLAS (dense weights).
@@ -63,7 +60,7 @@ Part = tuple[torch.Tensor, QType, tuple[int, int]]
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The f16 field at byte ``start`` of each block, as float32 [..., 1]. A dtype view,
     not a copy (``fastquant._f16`` copies): Inductor then reads the scales inside the dot
-    product's loop instead of gathering them first (1 row: ~0.37 -> ~0.27 ms per expert).
+    product's loop instead of gathering them first.
     Needs an even byte offset, which every block's f16 field and every slot part has."""
     return blocks.view(torch.float16)[..., start // 2 : start // 2 + 1].to(torch.float32)
 
@@ -104,11 +101,11 @@ class _Compiled:
     """``fn`` compiled by Inductor once per input shape, from the graph ``make_fx`` traces
     with fake tensors, and called directly: no Dynamo frame hook or guards per call.
 
-    Through ``torch.compile`` the same kernels cost 60-80 us more per expert call (two
-    graphs), about a quarter of a one-row demo expert (0.26 -> 0.20 ms; 8 rows 0.61 ->
-    0.53 ms; results bit-identical). Shapes are the only key: callers pass contiguous
-    float32 rows, padded to a bucket, and weights (slot parts, dense blocks) of one kind. Inductor's on-disk
-    cache keeps later processes' compiles to a fraction of a second."""
+    Through ``torch.compile`` every call would also run Dynamo's frame hook and guards
+    (twice per expert: two graphs), a large share of a one-row expert's time, for the same
+    bits. Shapes are the only key: callers pass contiguous float32 rows, padded to a
+    bucket, and weights (slot parts, dense blocks) of one kind. Inductor's on-disk cache
+    keeps later processes' compiles short."""
 
     compiles = 0  # in this process, all instances (the tests check warm-up covers calls)
 
@@ -226,9 +223,15 @@ def expert_mlp(parts: tuple[Part, Part, Part], x: torch.Tensor) -> torch.Tensor 
     return _FUSED(parts, x) if out is None else out
 
 
+def compiled_mlp(parts: tuple[Part, Part, Part], x: torch.Tensor) -> torch.Tensor | None:
+    """``expert_mlp`` by the compiled graphs alone (the engine's ``compiled`` expert
+    backend), or None where they do not take these arguments."""
+    return None if x.shape[0] > MAX_ROWS else _FUSED(parts, x)
+
+
 @torch.inference_mode()
 def warm_up(parts: tuple[Part, Part, Part]) -> bool:
-    """Compile every row bucket ahead, in inference mode as the engine runs, so no
-    request waits for it. True if ready."""
+    """Compile the graphs for every row bucket ahead, in inference mode as the engine
+    runs, so no request waits for it. True if they are ready."""
     hidden = parts[0][2][1]
-    return all(expert_mlp(parts, torch.zeros(rows, hidden)) is not None for rows in ROW_BUCKETS)
+    return all(compiled_mlp(parts, torch.zeros(rows, hidden)) is not None for rows in ROW_BUCKETS)

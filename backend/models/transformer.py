@@ -205,8 +205,7 @@ class Transformer:
         out = None
         if decoding:
             # One native call writes every row's key and value and attends
-            # (``native.attention``): 8 rows at 1650 positions took 1.1-1.4 ms here
-            # against 2.7 ms by the loop below; more where the loop's per-row ops dominate.
+            # (``native.attention``), instead of the loop below and its torch ops per row.
             caches = [s.kv.reserve(layer, s.start, s.start + 1, k[i]) for i, s in enumerate(seqs)]
             out = native.attention(q, k, v, caches, [s.start for s in seqs], c.head_dim**-0.5)
         if out is not None:
@@ -224,7 +223,7 @@ class Transformer:
             )
             if s.n == 1 and h.device.type == "cpu" and h.dtype == torch.float32:
                 # Decoding: one query per head, no mask. Two batched matmuls and a softmax
-                # cost ~40 us here against ~60 us through SDPA's math path on CPU.
+                # cost less than SDPA's math path on CPU.
                 qq = q[row].view(c.n_kv_heads, rep, c.head_dim)
                 att = torch.bmm(qq, kk.transpose(1, 2)).mul_(c.head_dim**-0.5).softmax(-1)
                 out[row] = torch.bmm(att, vv).view(c.n_heads, c.head_dim)
@@ -335,10 +334,9 @@ class Transformer:
         router: bool = False,
     ) -> tuple[torch.Tensor, ...] | None:
         """A decoding step's whole attention block in one native call (``native.
-        attention_block``; a demo layer for one row here: 0.11 ms against 0.44 ms through
-        the ops below at 40 positions, 0.36 against 0.91 ms at 1650), where the layer's
-        projections are stored in blocks the kernels read and it has no biases, q/k norms
-        or clipping; else None. Returns (h, x, logits, ids, weights): with ``ffn``, x is
+        attention_block``, instead of the ops below and the Python between them), where the
+        layer's projections are stored in blocks the kernels read and it has no biases, q/k
+        norms or clipping; else None. Returns (h, x, logits, ids, weights): with ``ffn``, x is
         the FFN's input (``ffn_input``), and with ``router`` too, logits its router's and
         ids, weights its routing (``route``'s selection and weights, computed in the same
         call: the softmax's roundings are the kernel's), each None where the kernel does not
@@ -473,9 +471,8 @@ class Transformer:
             return y.float()
         if x.device.type == "cpu" and n > 1 and n % 4:
             # Without the compiled kernel (more rows than it takes, or no compiler): the
-            # CPU BLAS is slow for some row counts against this wide matrix (SmolLM2's
-            # [49152, 576] head: 24 ms for 2 rows, 36 ms for 3 or 7, 17 ms for 4 or 8):
-            # padding with zero rows to a multiple of 4 is faster.
+            # CPU BLAS is slower for some row counts (2, 3, 7) against a wide matrix than
+            # for the next multiple of 4: zero rows pad the batch to one.
             x = torch.cat([x, x.new_zeros(4 - n % 4, x.shape[1])])
         return F.linear(x, head).float()[:n]  # [T, V]
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from backend.errors import BevyError
-from backend.policies import EVICTION_POLICIES
+from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -59,6 +59,13 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="what a cache slot holds",
     )
+    p.add_argument(
+        "--expert-backend",
+        choices=EXPERT_BACKENDS,
+        default="auto",
+        help="how experts are computed (default: chosen from the device, the experts' block "
+        "types and what builds here; a named one that cannot run is an error)",
+    )
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +87,7 @@ def _engine_config(args: argparse.Namespace):
             policy=args.policy,
             max_active=args.max_active,
             slot_format=args.slot_format,
+            expert_backend=args.expert_backend,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None
@@ -308,6 +316,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             eviction=args.eviction,
             slot_format=args.slot_format,
+            expert_backend=args.expert_backend,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None

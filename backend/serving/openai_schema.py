@@ -1,6 +1,6 @@
 """The OpenAI wire format: request bodies, their translation to engine terms, response bodies.
 
-Plain functions over plain data, no server and no engine: ``backend.serving.http`` does the I/O.
+Plain functions over plain data, no server and no engine: ``backend.serving.routes`` does the I/O.
 Requests accept unknown fields (clients send ``user``, ``metadata`` ...) and refuse, with a
 400, the known ones we cannot honour, rather than silently ignoring them.
 """

@@ -87,7 +87,7 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
     finished_at: list[float] = []
 
     def on_token(rid: str, _text: str) -> None:
-        reply = w.by_request.get(rid)
+        reply = w.controller.by_request.get(rid)
         if reply is not None:
             first_token.setdefault(reply.session_id, time.perf_counter())
 
@@ -118,7 +118,7 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
     assert w.grab().save(str(ARTIFACTS / "main_window.png"))
     last[0] = clock.elapsed()
     ticker.start()
-    qtbot.waitUntil(lambda: not w.replies, timeout=120_000)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=120_000)
     ticker.stop()
     worst = max(gaps)
     over = sum(g > 50 for g in gaps)
@@ -129,8 +129,8 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
     )
     (ARTIFACTS / "gui_latency.txt").write_text(report + "\n")
     print(report)
-    # Target: no stall over 50 ms (18-25 ms measured on an idle 2-core box); the bounds leave
-    # room for a busy CI machine while still catching real blocking work on the GUI thread.
+    # Target: no stall over 50 ms; the bounds leave room for a busy CI machine while still
+    # catching real blocking work on the GUI thread.
     assert p99 <= 50 and worst < 100
     # All three were generating at the same time: every first token came before any finish.
     assert max(first_token.values()) < min(finished_at)
@@ -143,7 +143,9 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
         assert (last_msg.role, last_msg.status, last_msg.content) == ("assistant", "done", text)
         w.sessions.select(sid)
         qtbot.waitUntil(
-            lambda sid=sid: w.view.shown_markdown.endswith(w.messages[sid][-1]["content"])
+            lambda sid=sid: w.view.shown_markdown.endswith(
+                w.controller.messages[sid][-1]["content"]
+            )
         )
     # Panels received snapshots and drew them.
     assert w.panels["Cache"].hit_rate_history
@@ -157,20 +159,20 @@ def test_escape_stops_only_the_current_session(qtbot, env: Path) -> None:
     a, b = w.new_session("chat"), w.new_session("agent")
     w.send("first", session_id=a)
     w.send("second", session_id=b)
-    qtbot.waitUntil(lambda: all(w.replies[s].tokens > 2 for s in (a, b)), timeout=60_000)
+    qtbot.waitUntil(lambda: all(w.controller.replies[s].tokens > 2 for s in (a, b)), timeout=60_000)
     w.sessions.select(a)
     qtbot.keyClick(w.input, Qt.Key.Key_Escape)
-    qtbot.waitUntil(lambda: a not in w.replies, timeout=30_000)
-    assert b in w.replies  # still generating
+    qtbot.waitUntil(lambda: a not in w.controller.replies, timeout=30_000)
+    assert b in w.controller.replies  # still generating
     stopped = w.store.messages(a)[-1]
     assert stopped.status == "stopped" and stopped.content
-    before = w.replies[b].tokens
-    qtbot.waitUntil(lambda: w.replies[b].tokens > before + 3, timeout=30_000)
-    w.stop(b)
-    qtbot.waitUntil(lambda: not w.replies, timeout=30_000)
+    before = w.controller.replies[b].tokens
+    qtbot.waitUntil(lambda: w.controller.replies[b].tokens > before + 3, timeout=30_000)
+    w.controller.stop(b)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=30_000)
     assert w.store.messages(b)[-1].status == "stopped"
     # Every cache pin was released.
-    qtbot.waitUntil(lambda: (s := w.bridge.latest_metrics()) is not None and s.cache_pinned == 0)
+    qtbot.waitUntil(lambda: (s := w.bridge.service.latest) is not None and s.cache_pinned == 0)
     close_window(w)
 
 
@@ -178,14 +180,16 @@ def test_settings_change_reloads_the_engine_and_keeps_conversations(qtbot, env: 
     w = open_window(qtbot, settings_for(env, max_tokens=6))
     sid = w.new_session("chat")
     w.send("hello", session_id=sid)
-    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     old_service = w.bridge.service
     w.apply_settings({**w.settings, "policy": "sync", "cache": "4"})
     qtbot.waitUntil(lambda: w.bridge.ready and w.bridge.service is not old_service, timeout=60_000)
     assert w.bridge.config.policy == "sync" and w.bridge.service.engine.cache.n_slots == 4
     assert "sync" in w.status_engine.text()
+    # how the engine computes experts: the tiny model's are float32, which only eager takes
+    assert "experts eager" in w.status_engine.text()
     w.send("again", session_id=sid)
-    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     roles = [m.role for m in w.store.messages(sid)]
     assert roles == ["user", "assistant", "user", "assistant"]
     # A bad setting is refused with an error, the running engine stays.
@@ -213,7 +217,7 @@ def test_corrupt_model_shows_an_error_and_the_app_stays_usable(
     manager.error_box.close()
     manager.close()
     w.send("still there?")
-    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     assert w.store.messages(w.current_id)[-1].status == "done"
     close_window(w)
 
@@ -222,7 +226,7 @@ def test_restart_restores_sessions_and_messages(qtbot, env: Path) -> None:
     w = open_window(qtbot, settings_for(env, max_tokens=5))
     a = w.new_session("chat")
     w.send("remember me", session_id=a)
-    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     w.rename_session(a, "Kept")
     b = w.new_session("agent")
     reply = w.store.messages(a)[-1].content
@@ -232,7 +236,7 @@ def test_restart_restores_sessions_and_messages(qtbot, env: Path) -> None:
     assert w2.settings["model"] == str(env)
     assert sorted(w2.sessions.titles()) == sorted(["Kept", "New agent session"])
     w2.sessions.select(a)
-    assert [m["content"] for m in w2.messages[a]] == ["remember me", reply]
+    assert [m["content"] for m in w2.controller.messages[a]] == ["remember me", reply]
     assert w2.view.shown_markdown.endswith(reply)
     assert w2.store.session(b).kind == "agent"
     w2.sessions.search.setText("kep")
@@ -277,7 +281,7 @@ def test_api_toggle_serves_the_apps_own_engine(qtbot, env: Path) -> None:
     url = w.status_api.text().removeprefix("API: ")
     sid = w.new_session("chat")
     w.send("from the app", session_id=sid)
-    qtbot.waitUntil(lambda: w.replies[sid].tokens > 0, timeout=60_000)
+    qtbot.waitUntil(lambda: w.controller.replies[sid].tokens > 0, timeout=60_000)
     result: dict = {}
 
     def client() -> None:
@@ -302,10 +306,10 @@ def test_api_toggle_serves_the_apps_own_engine(qtbot, env: Path) -> None:
     assert result["reply"].status_code == 200
     assert result["reply"].json()["usage"]["completion_tokens"] == 6
     # One engine: the API saw the app's reply (3000 tokens, still running) in flight on it.
-    assert sid in w.replies
+    assert sid in w.controller.replies
     assert any(r["session"] == "from the app" for r in result["stats"]["requests"])
-    w.stop(sid)
-    qtbot.waitUntil(lambda: not w.replies, timeout=30_000)
+    w.controller.stop(sid)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=30_000)
     w.apply_settings({**w.settings, "api_enabled": False})
     assert w.status_api.text() == ""
     with pytest.raises(httpx.ConnectError):
@@ -322,7 +326,7 @@ def test_message_sent_while_loading_is_answered_once_ready(qtbot, env: Path) -> 
     w.start_engine()
     assert not w.bridge.ready
     w.send("asked during loading")  # queued until the engine is up
-    qtbot.waitUntil(lambda: w.bridge.ready and not w.replies, timeout=60_000)
+    qtbot.waitUntil(lambda: w.bridge.ready and not w.controller.replies, timeout=60_000)
     sid = w.current_id
     history = w.store.history(sid)[:-1]
     assert history[-1] == {"role": "user", "content": "asked during loading"}
@@ -337,7 +341,7 @@ def test_engine_failure_ends_replies_and_a_restart_recovers(qtbot, env: Path) ->
     w = open_window(qtbot, settings_for(env, max_tokens=2000))
     sid = w.new_session("chat")
     w.send("keep going", session_id=sid)
-    qtbot.waitUntil(lambda: w.replies[sid].tokens > 0, timeout=60_000)
+    qtbot.waitUntil(lambda: w.controller.replies[sid].tokens > 0, timeout=60_000)
     engine = w.bridge.service.engine
 
     def broken_step(block: bool = False) -> bool:
@@ -345,17 +349,17 @@ def test_engine_failure_ends_replies_and_a_restart_recovers(qtbot, env: Path) ->
 
     engine.step = broken_step  # fault injection on the real engine thread
     qtbot.waitUntil(lambda: w.bridge.state == "failed", timeout=30_000)
-    qtbot.waitUntil(lambda: not w.replies, timeout=30_000)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=30_000)
     last = w.store.messages(sid)[-1]
     assert last.status == "error" and "simulated kernel failure" in last.content
     assert w.error_box is not None and "simulated kernel failure" in w.error_box.text()
     w.send("and now?", session_id=sid)  # no engine: a clear error, not a reply stuck forever
-    assert not w.replies and "No model is loaded" in w.store.messages(sid)[-1].content
+    assert not w.controller.replies and "No model is loaded" in w.store.messages(sid)[-1].content
     w.error_box.close()
     w.apply_settings(w.settings)  # Settings -> OK restarts the engine
     qtbot.waitUntil(lambda: w.bridge.ready, timeout=60_000)
     w.send("back?", session_id=sid)
-    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     assert w.store.messages(sid)[-1].status == "done"
     close_window(w)
 
@@ -367,10 +371,10 @@ def test_reload_frees_the_old_engine_and_delete_mid_stream_is_clean(qtbot, env: 
     w = open_window(qtbot, settings_for(env, max_tokens=3000))
     sid = w.new_session("chat")
     w.send("stream for a while", session_id=sid)
-    qtbot.waitUntil(lambda: w.replies[sid].tokens > 3, timeout=60_000)
+    qtbot.waitUntil(lambda: w.controller.replies[sid].tokens > 3, timeout=60_000)
     w.delete_session(sid)  # tokens still queued for it must go nowhere, quietly
     qtbot.wait(200)
-    assert sid not in [s.id for s in w.store.list_sessions()] and not w.replies
+    assert sid not in [s.id for s in w.store.list_sessions()] and not w.controller.replies
     old = weakref.ref(w.bridge.service.engine)
     w.apply_settings({**w.settings, "cache": "6"})
     qtbot.waitUntil(lambda: w.bridge.ready, timeout=60_000)
@@ -390,8 +394,8 @@ def test_session_system_prompt_and_sampling_reach_the_engine(qtbot, env: Path) -
     s = w.store.session(sid)
     assert s.system_prompt == "Answer in one word." and s.sampling == {"max_tokens": 3}
     w.send("Name a colour.", session_id=sid)
-    reply = w.replies[sid]
+    reply = w.controller.replies[sid]
     assert reply.history[0] == {"role": "system", "content": "Answer in one word."}
-    qtbot.waitUntil(lambda: not w.replies, timeout=60_000)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     assert w.store.messages(sid)[-1].completion_tokens <= 3  # the session's own limit
     close_window(w)

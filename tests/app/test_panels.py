@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QPalette
-from PySide6.QtWidgets import QWidget
+from PySide6.QtWidgets import QGridLayout, QWidget
 from pytestqt.qtbot import QtBot
 
 from app.panels import (
     CachePanel,
     OverlapPanel,
-    PanelSet,
     ProgressPanel,
     RequestTableModel,
     ThroughputPanel,
@@ -406,33 +405,31 @@ def test_throughput_empty_and_restart(qtbot: QtBot) -> None:
     assert len(panel.total_curve.getData()[0]) == 1
 
 
-# --- the whole set, both palettes -----------------------------------------------------------
+# --- all four, both palettes ---------------------------------------------------------------
 
 
-def test_panel_set_forwards_the_newest_snapshot(qtbot: QtBot) -> None:
-    panels = PanelSet(session_names=SESSIONS, interval_ms=30)
-    qtbot.addWidget(panels)
-    for i in range(50):
-        panels.push(snapshot(i))
-    qtbot.waitUntil(lambda: panels.progress.model.request(0).tokens == 49, timeout=2000)
-    x, _ = panels.throughput.total_curve.getData()
-    assert len(x) == 2  # the first and the newest; the 48 in between were dropped
-    assert panels.cache.heatmap.image.shape == (N_LAYERS, N_EXPERTS)
-    panels.update_snapshot(EMPTY)
-    assert panels.progress.model.rowCount() == 0
+def four_panels() -> tuple[QWidget, tuple]:
+    """The four panels in one 2 x 2 grid widget (the window docks them instead)."""
+    panels = OverlapPanel(), CachePanel(), ProgressPanel(SESSIONS), ThroughputPanel(SESSIONS)
+    box = QWidget()
+    grid = QGridLayout(box)
+    for i, panel in enumerate(panels):
+        grid.addWidget(panel, i // 2, i % 2)
+    return box, panels
 
 
 @pytest.mark.parametrize("theme", ["light", "dark"])
 def test_panels_render_on_both_palettes(qtbot: QtBot, theme: str) -> None:
-    panels = PanelSet(session_names=SESSIONS)
-    qtbot.addWidget(panels)
-    panels.setPalette(dark_palette() if theme == "dark" else light_palette())
+    box, panels = four_panels()
+    qtbot.addWidget(box)
+    box.setPalette(dark_palette() if theme == "dark" else light_palette())
     for i in range(300):
-        panels.update_snapshot(snapshot(i, seed=2))
-    background = panels.overlap.plot.backgroundBrush().color()
+        for panel in panels:
+            panel.update_snapshot(snapshot(i, seed=2))
+    background = panels[0].plot.backgroundBrush().color()
     assert (background.lightnessF() < 0.5) == (theme == "dark")
-    render(qtbot, panels, f"panel_set_{theme}", size=(1400, 760))
-    for panel in panels.panels:
+    render(qtbot, box, f"panels_{theme}", size=(1400, 760))
+    for panel in panels:
         name = type(panel).__name__.removesuffix("Panel").lower()
         pixmap = panel.grab()
         assert not pixmap.isNull()

@@ -36,11 +36,11 @@ def gguf_path(tmp_path_factory: pytest.TempPathFactory):
 def test_cuda_matches_cpu_reference(
     gguf_path, monkeypatch, policy: str, slot_format: str, storage: str
 ) -> None:
-    """Stored slots take the grouped path (``JobRunner._moe_grouped``); decoded ones do not."""
-    from backend.engine.jobs import JobRunner
+    """Stored slots take the grouped backend (``GroupedExperts``); decoded ones eager."""
+    from backend.engine.experts.grouped import GroupedExperts
     from tests.helpers.spy import spy
 
-    grouped = spy(monkeypatch, JobRunner, "_moe_grouped")
+    grouped = spy(monkeypatch, GroupedExperts, "grouped")
     cpu = load_model(gguf_path)
     refs = [greedy_logits(cpu, p, 5) for p in PROMPTS]
     model = load_model(gguf_path, device="cuda")
@@ -52,6 +52,7 @@ def test_cuda_matches_cpu_reference(
     )
     try:
         assert eng.slots.device.type == "cuda"
+        assert eng.expert_backend == ("grouped" if slot_format == "stored" else "eager")
         eng.logits_log = {}
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for i, p in enumerate(PROMPTS):
@@ -71,7 +72,7 @@ def test_cuda_matches_cpu_reference(
                 ours - logits
             ).abs().max().item() <= 1e-3  # TF32/cuBLAS reductions differ from CPU
         assert sum(eng.cache.refs) == 0
-        assert any(y is not None for _, y in grouped) == (slot_format == "stored")
+        assert bool(grouped) == (slot_format == "stored")
     finally:
         eng.close()
 

@@ -99,7 +99,7 @@ def test_cli_commands_freeze_what_they_load(chat_model: Path) -> None:
     process would keep its garbage from ever being collected)."""
     code = (
         "import gc, sys\n"
-        "from backend import cli\n"
+        "from backend.serving import cli\n"
         "args = cli.build_parser().parse_args(['bench', '--model', sys.argv[1]])\n"
         "cli._load(args)\n"
         "gc.collect()\n"

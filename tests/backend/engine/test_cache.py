@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.engine.cache import ExpertCache
+from backend.config import SamplingParams
+from backend.engine.cache import Claims, ExpertCache
+from backend.engine.request import Request
 
 
 def fill(cache: ExpertCache, keys) -> None:
@@ -238,3 +240,50 @@ def test_prefetch_accounting() -> None:
     c.reserve((1, 2))  # evicts the unclaimed guess
     s = c.stats
     assert (s.prefetched, s.prefetch_used, s.prefetch_wasted) == (2, 1, 1) and not c.guessed
+
+
+def _request(i: int) -> Request:
+    return Request(f"r{i}", [1], SamplingParams())
+
+
+def test_a_claim_is_all_or_nothing_and_releases_in_parts() -> None:
+    c = ExpertCache(3, "lru")
+    claims = Claims(c)
+    a, b = _request(0), _request(1)
+    c.reserve((0, 1))
+    c.complete((0, 1))
+    c.unpin((0, 1))
+    orders = claims.claim(a, [(0, 1), (0, 2)])
+    assert [k for k, _ in orders] == [(0, 2)]  # the resident one is pinned, not fetched
+    assert a.claimed and c.stats.hits == 1 and c.stats.misses == 1
+    # Two more would need slots a holds: nothing is taken.
+    assert claims.claim(b, [(0, 3), (0, 4)]) is None
+    assert not b.claimed and c.n_pinned == 2
+    c.complete((0, 2))
+    claims.release(a, {1})
+    assert a.claim == [(0, 2)] and a.claimed and c.refs[c.slot_of[(0, 1)]] == 0
+    claims.release(a)
+    assert a.claim == [] and not a.claimed and sum(c.refs) == 0
+
+
+def test_a_failed_fetch_fails_its_holders_and_frees_the_slot() -> None:
+    c = ExpertCache(4, "lfu")
+    claims = Claims(c)
+    a, b, other = _request(0), _request(1), _request(2)
+    claims.claim(a, [(0, 1), (0, 2)])
+    claims.claim(b, [(0, 1)])  # loading: shared, not fetched twice
+    claims.claim(other, [(0, 3)])
+    assert claims.cancel((0, 1), [a, b, other]) == [a, b]
+    assert not c.is_present((0, 1)) and a.claim == [(0, 2)] and not b.claimed
+    for r in (a, other):
+        claims.release(r)
+    assert sum(c.refs) == 0
+
+
+def test_riding_counts_hits_without_pins() -> None:
+    c = ExpertCache(2, "lru")
+    claims = Claims(c)
+    group = _request(0)
+    claims.claim(group, [(0, 1), (0, 2)])  # two misses, fetched for the group
+    claims.ride([(0, 1), (0, 2)])
+    assert (c.stats.hits, c.stats.misses) == (2, 2) and sum(c.refs) == 2

@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine
-from backend.policies import POLICIES
 from backend.errors import BevyError
 from backend.kernels.quants import QType
 from backend.messages import Abort, ErrorEvent, Finished, MetricsSnapshot, Submit
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import LoadedModel, load_model
+from backend.policies import POLICIES
 from tests.helpers.engine_runs import (
     PROMPTS,
     STEPS,
@@ -262,6 +262,7 @@ def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, mod
     groups form, which follows fetch timing.)"""
     from collections import Counter
 
+    from backend.engine.experts.eager import EagerExperts
     from backend.engine.jobs import JobRunner
     from tests.helpers.spy import spy
 
@@ -271,12 +272,12 @@ def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, mod
     results = {}
     for ride in (True, False):
         monkeypatch.undo()
-        mlps = spy(monkeypatch, JobRunner, "mlp")
+        mlps = spy(monkeypatch, EagerExperts, "mlp")  # these models' experts run eager
         shared = []  # per run with a group and riders: (rows expected, products run)
         real_run = JobRunner.run
 
         def run(self, group, riders=(), real_run=real_run, mlps=mlps, shared=shared):
-            # (a split run is riders alone: ``Engine._split``)
+            # (a split run is riders alone: ``scheduler.split``)
             expected = Counter()
             for r in group:
                 expected += routes(r, {e for _, e in r.claim})
@@ -306,11 +307,11 @@ def test_expert_batches_change_no_result(models, monkeypatch, cache) -> None:
     prompt's gathers stay bounded): batches of 3 routes give the same tokens and logits as
     one batch per run, for prompts and for riders (within 1e-5: groups form by fetch
     timing, and the tiny model's dense BLAS path rounds by batch shape)."""
-    from backend.engine import jobs
+    from backend.engine.experts import eager
 
     results = []
-    for per_batch in (jobs.ROUTES_PER_BATCH, 3):
-        monkeypatch.setattr(jobs, "ROUTES_PER_BATCH", per_batch)
+    for per_batch in (eager.ROUTES_PER_BATCH, 3):
+        monkeypatch.setattr(eager, "ROUTES_PER_BATCH", per_batch)
         results.append(
             run_clean(models["mixtral-q8-gguf"], EngineConfig(policy="bevy", cache=cache))
         )
@@ -325,7 +326,7 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
     """Q4 experts in stored slots: each run's experts go to the native kernels in one call
     (``native.moe``), riders' products included. Tokens and logits are those of plain
     generation, and of the per-expert path it replaces."""
-    from backend.engine.jobs import JobRunner
+    from backend.engine.experts.native import NativeExperts
     from backend.kernels import native
     from tests.helpers.spy import spy
 
@@ -337,9 +338,9 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
     for on in (True, False):
         monkeypatch.undo()
         calls = spy(monkeypatch, native, "moe")
-        if not on:
-            monkeypatch.setattr(JobRunner, "_moe_native", lambda *args: None)
-        config = EngineConfig(policy=policy, cache=size, storage="ssd")
+        if not on:  # each expert on its own through the same kernels
+            monkeypatch.setattr(NativeExperts, "_whole_layer", lambda *args: None)
+        config = EngineConfig(policy=policy, cache=size, storage="ssd", expert_backend="native")
         results[on] = (run_clean(model, config), calls)
     (out, calls), (out0, calls0) = results[True], results[False]
     assert any(result is not None for _, result in calls) and not calls0
@@ -357,7 +358,7 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
 @pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "mixtral-q4-gguf"])
 def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
     """With no job ready, waiting decoding jobs apply their experts already in the cache
-    (``Engine._split``): such runs happen, and tokens and logits are those of whole jobs
+    (``scheduler.split``): such runs happen, and tokens and logits are those of whole jobs
     (each request still sums its experts in expert order)."""
     from tests.helpers.spy import spy
 
@@ -378,27 +379,19 @@ def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
 def test_grouped_experts_match_plain_generation(
     models, references, monkeypatch, model_name: str, policy: str, chunk: str
 ) -> None:
-    """The accelerator path (``JobRunner._moe_grouped``: a job's experts decoded together
-    and multiplied as batched products), forced on the CPU: it runs for decoding jobs,
+    """The accelerator backend (``GroupedExperts``: a job's experts decoded together and
+    multiplied as batched products), asked for on the CPU: it runs for decoding jobs,
     riders included, and gives plain generation's tokens, logits within 1e-4. With room
     for one expert per batched product, the experts go in turns and nothing changes."""
-    from backend.engine import jobs
+    from backend.engine.experts import grouped
     from tests.helpers.spy import spy
 
-    init = jobs.JobRunner.__init__
-
-    def grouped_init(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        self.grouped = True
-
-    monkeypatch.setattr(jobs.JobRunner, "__init__", grouped_init)
-    monkeypatch.setattr(jobs.JobRunner, "_moe_native", lambda *args: None)
     if chunk == "per-expert":
-        monkeypatch.setattr(jobs, "GROUPED_BYTES", 1)
-    calls = spy(monkeypatch, jobs.JobRunner, "_moe_grouped")
-    config = EngineConfig(policy=policy, cache="0.3", storage="ssd")
+        monkeypatch.setattr(grouped, "GROUPED_BYTES", 1)
+    calls = spy(monkeypatch, grouped.GroupedExperts, "grouped")
+    config = EngineConfig(policy=policy, cache="0.3", storage="ssd", expert_backend="grouped")
     fin, logs = run_clean(models[model_name], config)
-    ran = [args for args, result in calls if result is not None]
+    ran = [args for args, _ in calls]
     assert ran
     if policy == "bevy":  # a group carried one-token riders: their products came back apart
         assert any(
@@ -408,3 +401,47 @@ def test_grouped_experts_match_plain_generation(
         rid = f"r{i}"
         assert list(fin[rid].token_ids) == tokens, rid
         assert (torch.stack(logs[rid]) - logits).abs().max().item() <= 1e-4, rid
+
+
+@pytest.mark.parametrize("backend", ["native", "compiled", "grouped", "eager"])
+def test_every_expert_backend_that_runs_here_matches_plain_generation(
+    models, references, backend: str
+) -> None:
+    """Each expert backend the engine can choose, asked for by name on Q4 experts in
+    stored slots: plain generation's tokens, logits within 1e-4, no pins left, and the
+    backend reported in the metrics. One that cannot run here is refused with the reason."""
+    from backend.engine.experts import why_not
+
+    model = models["mixtral-q4-gguf"]
+    config = EngineConfig(policy="bevy", cache="0.3", storage="ssd", expert_backend=backend)
+    slots = torch.empty((1, 1), dtype=torch.uint8)
+    reason = why_not(backend, model.experts, slots, model.transformer.dtype)
+    if reason is not None:
+        with pytest.raises(BevyError, match=f"expert backend '{backend}' cannot run here"):
+            Engine(model, config)
+        pytest.skip(f"{backend} cannot run here: {reason}")
+    eng = Engine(model, config)
+    try:
+        assert eng.expert_backend == backend == eng.snapshot().expert_backend
+        finished = run_staggered(eng)
+        assert sum(eng.cache.refs) == 0
+    finally:
+        eng.close()
+    for i, (tokens, logits) in enumerate(references["mixtral-q4-gguf"]):
+        assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
+        assert (torch.stack(eng.logits_log[f"r{i}"]) - logits).abs().max().item() <= 1e-4
+
+
+def test_an_expert_backend_that_cannot_run_is_an_error(models) -> None:
+    q8 = models["mixtral-q8-gguf"]
+    with pytest.raises(BevyError, match="take Q4_0/Q4_1 experts, not Q8_0|did not build"):
+        Engine(q8, EngineConfig(expert_backend="native"))
+    with pytest.raises(BevyError, match="decoded weights"):
+        Engine(q8, EngineConfig(expert_backend="grouped", slot_format="decoded"))
+    with pytest.raises(BevyError, match="turned off"):
+        Engine(models["mixtral-q4-gguf"], EngineConfig(expert_backend="native", native=False))
+    auto = Engine(q8, EngineConfig(slot_format="decoded"))
+    try:
+        assert auto.expert_backend == "eager"  # decoded weights: nothing else reads them
+    finally:
+        auto.close()

@@ -55,7 +55,7 @@ def open_direct(path: Path) -> SSDStore:
 
 
 def fetch_all(
-    store: SSDStore, path: Path, n_slots: int = 5, check: bool = True
+    store: SSDStore, path: Path, n_slots: int = 5, check: bool = True, use_aio: bool = True
 ) -> tuple[Fetcher, Telemetry, int]:
     """Fetch every expert through a Fetcher, ``n_slots`` at a time, checking each slot's
     bytes against the file (through the page cache) if ``check``; returns the (closed)
@@ -64,7 +64,9 @@ def fetch_all(
     slots = store.alloc_slots(n_slots)
     telemetry = Telemetry()
     done: queue.Queue = queue.Queue()
-    fetcher = Fetcher(store, slots, telemetry, lambda k, lay, err: done.put((k, lay, err)))
+    fetcher = Fetcher(
+        store, slots, telemetry, lambda k, lay, err: done.put((k, lay, err)), use_aio=use_aio
+    )
     files = MappedFiles()
     try:
         for first in range(0, len(refs), n_slots):
@@ -126,12 +128,9 @@ def test_queued_reads_bypass_the_page_cache(model_file: Path) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux's")
-def test_without_native_aio_the_link_reads_part_by_part(
-    model_file: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("BEVY_AIO", "0")
+def test_without_native_aio_the_link_reads_part_by_part(model_file: Path) -> None:
     with open_direct(model_file) as store:
-        fetcher, telemetry, n = fetch_all(store, model_file)
+        fetcher, telemetry, n = fetch_all(store, model_file, use_aio=False)
     assert not fetcher.batched
     assert telemetry.fetched == n
 

@@ -4,7 +4,7 @@ import pytest
 
 from backend.config import SamplingParams
 from backend.engine.request import Request
-from backend.engine.scheduler import make_policy
+from backend.engine.scheduler import make_policy, riders, split
 from backend.policies import POLICIES
 
 
@@ -89,3 +89,44 @@ def test_fetch_priority_follows_the_policy() -> None:
     assert bevy.fetch_priority(b, 5, tick=10) < bevy.fetch_priority(a, 1, tick=3)
     assert srtf.fetch_priority(a, 1, tick=10) < srtf.fetch_priority(b, 5, tick=3)
     assert sync.fetch_priority(a, 1, tick=3) < sync.fetch_priority(b, 1, tick=10)
+
+
+def job(i: int, layer: int, needed: tuple[int, ...], claim=(), done=(), n: int = 1) -> Request:
+    """A request before the MoE of ``layer``, routed to ``needed``, holding ``claim``."""
+    r = req(i, layer, claimed=bool(claim))
+    r.n, r.needed, r.done = n, needed, set(done)
+    r.claim = [(layer, e) for e in claim]
+    return r
+
+
+def test_riders_take_the_group_experts_they_still_need() -> None:
+    group = [job(0, 3, (1, 2), claim=(1, 2))]
+    claimed = job(1, 3, (2, 5), claim=(2, 5))  # rides on 2; 5 is its own
+    unclaimed = job(2, 3, (1, 4, 6), done=(6,))  # rides on 1
+    other_layer = job(3, 4, (1, 2))
+    prompt = job(4, 3, (1, 2), n=5)  # a prompt's rows stay in their own job
+    unrelated = job(5, 3, (7,))
+    running = [*group, claimed, unclaimed, other_layer, prompt, unrelated]
+    assert [(r.id, s) for r, s in riders(running, group)] == [("r1", {2}), ("r2", {1})]
+
+
+def test_split_applies_ready_experts_at_the_lowest_waiting_layer() -> None:
+    ready = {(2, 1), (2, 2), (5, 3)}.__contains__
+    a = job(0, 2, (1, 9), claim=(1, 9))  # 1 ready, 9 loading
+    b = job(1, 5, (3, 8), claim=(3, 8))  # a higher layer waits its turn
+    whole = job(2, 2, (2,), claim=(2,))  # all ready: a job, not a split
+    unclaimed = job(3, 2, (4,))
+    assert [(r.id, s) for r, s in split([a, b, whole, unclaimed], ready)] == [("r0", {1})]
+    assert split([whole], ready) == []
+
+
+def test_split_leaves_an_expert_another_request_still_needs() -> None:
+    ready = {(2, 1), (2, 2)}.__contains__
+    a = job(0, 2, (1, 2, 9), claim=(1, 2, 9))
+    b = job(1, 2, (1, 7))  # needs 1 too but cannot apply it now: 1 waits to run once
+    assert [(r.id, s) for r, s in split([a, b], ready)] == [("r0", {2})]
+    c = job(2, 2, (1, 8), claim=(1, 8))  # both needers apply 1 in this split: it stays
+    assert sorted((r.id, sorted(s)) for r, s in split([a, c], ready)) == [
+        ("r0", [1, 2]),
+        ("r2", [1]),
+    ]

@@ -245,6 +245,33 @@ def test_a_build_is_reused_and_a_failed_one_leaves_the_graphs(tmp_path, monkeypa
     assert native.library() is None
 
 
+def test_every_source_and_header_goes_into_the_build(tmp_path):
+    """The library is built from all of the package's C files, and its cache key changes
+    with any of them, headers included, so an edit to one is never served a stale build.
+    Another tree's kernels: a directory's ``*.c`` and ``*.h``, or one C file alone."""
+    srcs, headers = native.sources()
+    assert {p.name for p in srcs} == {p.name for p in native.HERE.glob("*.c")}
+    assert {p.name for p in headers} == {p.name for p in native.HERE.glob("*.h")}
+    for p in (*srcs, *headers):
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    copied = native.sources(tmp_path)
+    assert [p.name for p in copied[0]] == sorted(p.name for p in srcs)
+    files = [*copied[0], *copied[1]]
+    key = native.build_key(files, native.FLAGS, "cc")
+    for p in files:
+        before = p.read_bytes()
+        p.write_bytes(before + b"\n")
+        assert native.build_key(files, native.FLAGS, "cc") != key, p.name
+        p.write_bytes(before)
+    assert native.build_key(files, native.FLAGS, "cc") == key
+    one = tmp_path / "old.c"
+    one.write_text("int x;\n")
+    assert native.sources(one) == ([one], [])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OSError, match="no C sources"):
+        native.sources(tmp_path / "empty")
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
 def test_q8_linear_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
     """Q8_0 weights (the LM head): within 1e-5 of dequantize-then-matmul, and each row the

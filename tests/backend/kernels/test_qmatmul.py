@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from backend.config import EngineConfig
 from backend.engine.loop import Engine
-from backend.kernels import qmatmul
+from backend.kernels import native, qmatmul
 from backend.kernels.quants import QType, dequantize
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import load_model
@@ -75,11 +75,12 @@ def test_other_cases_are_left_to_the_caller(kernels: str) -> None:
 def test_warm_up_compiles_what_engine_calls_use(monkeypatch, kernels: str) -> None:
     """Engine calls (slot views at odd offsets, 1..MAX_ROWS rows, inference mode) never
     compile again after the warm-up, nor fall back to running the graph eagerly (with
-    the native kernels, nothing is compiled at all)."""
+    the native kernels, ``expert_mlp`` consults no graph)."""
     fused = qmatmul._Fused()
     monkeypatch.setattr(qmatmul, "_FUSED", fused)
     parts = random_expert((QType.Q4_0, QType.Q4_1, QType.Q4_1), seed=11)
     assert qmatmul.warm_up(tuple((torch.zeros_like(raw), q, s) for raw, q, s in parts))
+    kinds = dict(fused.fns)
     size = sum(raw.numel() for raw, _, _ in parts)
     slot = torch.zeros(size + 4096 + 20, dtype=torch.uint8)
     at = 4096 + 20
@@ -100,7 +101,7 @@ def test_warm_up_compiles_what_engine_calls_use(monkeypatch, kernels: str) -> No
     assert qmatmul._Compiled.compiles == compiles
     assert not fused.failed
     if kernels == "native":
-        assert not fused.fns, "the graphs were consulted although the native kernel runs"
+        assert fused.fns == kinds, "the graphs were consulted although the native kernel runs"
 
 
 def test_kinds_beyond_the_bound_are_left_to_the_caller(monkeypatch, kernels: str) -> None:
@@ -122,18 +123,22 @@ def test_kinds_beyond_the_bound_are_left_to_the_caller(monkeypatch, kernels: str
 @pytest.mark.parametrize("policy", ["bevy", "sync"])
 @pytest.mark.parametrize("cache", ["min", "0.3"])
 def test_engine_on_q4_experts_matches_plain_generation(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch, policy: str, cache: str
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch, policy: str, cache: str, kernels: str
 ) -> None:
+    """Q4 experts take the native backend where the kernels build, else the compiled
+    graphs (chosen at start), and decode from their stored bytes: plain generation's tokens."""
     root = tmp_path_factory.mktemp("q4")
     path = write_gguf(
         load_model(make_tiny("mixtral", root / "mixtral")), root / "mixtral.q4_1.gguf", QType.Q4_1
     )
     model = load_model(path)
     assert {p.qtype for p in model.experts[0][0].parts} == {QType.Q4_1}
-    calls = spy(monkeypatch, qmatmul, "expert_mlp")
     size = str(model.config.top_k) if cache == "min" else cache
     eng = Engine(model, EngineConfig(policy=policy, cache=size, storage="ssd"))
-    calls.clear()  # the engine's compile warm-up calls it too
+    assert eng.expert_backend == ("native" if kernels == "native" else "compiled")
+    calls = spy(
+        monkeypatch, *((native, "moe") if kernels == "native" else (qmatmul, "compiled_mlp"))
+    )
     try:
         finished = run_staggered(eng)
         for i, p in enumerate(PROMPTS):
@@ -144,4 +149,4 @@ def test_engine_on_q4_experts_matches_plain_generation(
         assert sum(eng.cache.refs) == 0
     finally:
         eng.close()
-    assert any(out is not None for _, out in calls), "decode steps never took the fused path"
+    assert any(out is not None for _, out in calls), "decode steps never took the quantized path"

@@ -1,0 +1,243 @@
+"""The conversations and their replies, kept apart from the widgets that show them.
+
+The main window lays out widgets and menus; this controller holds what they display and
+does what they ask. It turns "send this text in that session" into a request on the
+:class:`~app.bridge.Bridge`, routes the bridge's token, finished and failure events back
+to the session they belong to, stops replies, and is the one place that writes sessions,
+messages and streamed replies to the :class:`~app.store.Store`.
+
+Views learn what changed through signals keyed by session id, so any number of sessions
+can stream at once while the window shows one of them; nothing here knows which one is on
+screen. A reply asked for while a model loads waits here and goes to the engine once the
+bridge reports "ready"; a reply that cannot be served ends at once with its error saved in
+the message, so no session is ever left waiting.
+"""
+
+from __future__ import annotations
+
+from contextlib import suppress
+from dataclasses import dataclass, field
+
+from PySide6.QtCore import QObject, Signal
+
+from app.bridge import Bridge
+from app.settings import AGENT_SYSTEM_PROMPT, sampling
+from app.store import Session, Store, StoreError
+from backend.api import Finished
+
+NEW_TITLES = {"chat": "New chat", "agent": "New agent session"}  # replaced by the first message
+TITLE_CHARS = 48  # a session's automatic title: the start of its first message
+
+
+@dataclass
+class Reply:
+    """A reply being generated: where it goes and what has arrived."""
+
+    session_id: int
+    message_id: int
+    history: list[dict]  # what the model is asked to continue
+    request_id: str | None = None  # None while waiting for the engine to load
+    chunks: list[str] = field(default_factory=list)
+    tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+
+class ChatController(QObject):
+    """Sessions, their messages and the replies in flight, one reply per session at a time.
+
+    ``messages`` holds each opened session's messages as the view shows them (role,
+    content, status), updated as replies stream; ``replies`` maps a session id to its reply
+    in progress and ``by_request`` maps the bridge's request ids to the same replies.
+    ``settings`` are the app settings; a reply's sampling parameters are the session's
+    overrides on top of them.
+    """
+
+    reply_started = Signal(int)  # session id: its user message and an empty reply were added
+    token = Signal(int, str)  # session id, the text that just arrived
+    reply_finished = Signal(int, str)  # session id, final status: "done" | "stopped" | "error"
+    busy_changed = Signal(int, bool)  # session id, whether it has a reply in progress
+    session_renamed = Signal(int, str)  # session id, new title
+
+    def __init__(
+        self,
+        store: Store,
+        bridge: Bridge,
+        settings: dict,
+        parent: QObject | None = None,
+    ) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.bridge = bridge
+        self.settings = settings
+        self.messages: dict[int, list[dict]] = {}  # session id -> messages shown
+        self.replies: dict[int, Reply] = {}  # session id -> its reply in progress
+        self.by_request: dict[str, Reply] = {}
+        bridge.token.connect(self._on_token)
+        bridge.finished.connect(self._on_finished)
+        bridge.failed.connect(self._on_failed)
+        bridge.state_changed.connect(self._on_state)
+
+    # --- queries ------------------------------------------------------------------------
+
+    def is_busy(self, session_id: int) -> bool:
+        """Whether ``session_id`` has a reply in progress (or waiting for the engine)."""
+        return session_id in self.replies
+
+    def busy_sessions(self) -> list[int]:
+        """The sessions with a reply in progress."""
+        return list(self.replies)
+
+    def shown(self, session_id: int) -> list[dict]:
+        """The session's messages for the view, read from the store the first time."""
+        if session_id not in self.messages:
+            self.messages[session_id] = [
+                {"role": m.role, "content": m.content, "status": m.status}
+                for m in self.store.messages(session_id)
+            ]
+        return self.messages[session_id]
+
+    # --- sessions -----------------------------------------------------------------------
+
+    def create_session(self, kind: str = "chat") -> Session:
+        """A new, empty session; an agent session starts with the agent's prompt and
+        sampling (longer replies, low temperature)."""
+        prompt = AGENT_SYSTEM_PROMPT if kind == "agent" else ""
+        overrides = {"max_tokens": 1024, "temperature": 0.2} if kind == "agent" else {}
+        return self.store.create_session(NEW_TITLES.get(kind, "New chat"), kind, prompt, overrides)
+
+    def rename_session(self, session_id: int, title: str) -> None:
+        self.store.rename_session(session_id, title)
+        self.session_renamed.emit(session_id, title)
+
+    def update_session(self, session_id: int, system_prompt: str, overrides: dict) -> None:
+        """Save a session's system prompt and sampling overrides (used from its next reply)."""
+        self.store.update_session(session_id, system_prompt=system_prompt, sampling=overrides)
+
+    def delete_session(self, session_id: int) -> None:
+        """Delete the session and everything in it, aborting its reply if one is running."""
+        reply = self.replies.pop(session_id, None)
+        # Forget the reply now: tokens already queued for it have nowhere to go.
+        if reply is not None:
+            if reply.request_id is not None:
+                self.by_request.pop(reply.request_id, None)
+                self.bridge.abort(reply.request_id)
+            self.busy_changed.emit(session_id, False)
+        self.store.delete_session(session_id)
+        self.messages.pop(session_id, None)
+
+    # --- replies ------------------------------------------------------------------------
+
+    def send(self, session_id: int, text: str) -> bool:
+        """Add the user's message and start the reply; False (nothing done) while the
+        session is still replying."""
+        if session_id in self.replies:
+            return False
+        if self.store.session(session_id).title in NEW_TITLES.values():
+            self.rename_session(session_id, " ".join(text.split())[:TITLE_CHARS])
+        self.store.add_message(session_id, "user", text)
+        history = self.store.history(session_id)
+        msg = self.store.add_message(session_id, "assistant", "", status="streaming")
+        shown = self.messages.setdefault(session_id, [])
+        shown.append({"role": "user", "content": text, "status": "done"})
+        shown.append({"role": "assistant", "content": "", "status": "streaming"})
+        reply = Reply(session_id, msg.id, history)
+        self.replies[session_id] = reply
+        self.reply_started.emit(session_id)
+        self.busy_changed.emit(session_id, True)
+        self._submit(reply)
+        return True
+
+    def stop(self, session_id: int) -> None:
+        """Stop the session's reply, keeping what it has said so far."""
+        reply = self.replies.get(session_id)
+        if reply is None:
+            return
+        if reply.request_id is None:
+            self._end_reply(reply, "stopped")
+        else:
+            self.bridge.abort(reply.request_id)  # Finished(abort) ends it
+
+    def stop_all(self) -> None:
+        """End every reply as stopped, now, without waiting for the engine (app exit)."""
+        for reply in list(self.replies.values()):
+            self._end_reply(reply, "stopped")
+
+    def _submit(self, reply: Reply) -> None:
+        if not self.bridge.ready:
+            if self.bridge.state not in ("loading",):
+                self._end_reply(reply, "error", "No model is loaded: open Model → Settings.")
+            return  # submitted by _submit_queued once the engine is up
+        s = self.store.session(reply.session_id)
+        try:
+            params = sampling(self.settings, {"sampling": s.sampling})
+        except ValueError as exc:
+            self._end_reply(reply, "error", f"Invalid sampling settings: {exc}")
+            return
+        rid = self.bridge.submit(reply.history, params, session=s.title)
+        reply.request_id = rid
+        self.by_request[rid] = reply
+
+    def _submit_queued(self) -> None:
+        for reply in list(self.replies.values()):
+            if reply.request_id is None:
+                self._submit(reply)
+
+    def _on_state(self, state: str, _detail: str) -> None:
+        if state == "ready":
+            self._submit_queued()
+
+    def _on_token(self, request_id: str, text: str) -> None:
+        reply = self.by_request.get(request_id)
+        if reply is None:
+            return
+        reply.chunks.append(text)
+        reply.tokens += 1
+        self.store.update_message(reply.message_id, reply.text, reply.tokens)
+        shown = self.messages.get(reply.session_id)
+        if shown:
+            shown[-1]["content"] = reply.text
+        self.token.emit(reply.session_id, text)
+
+    def _on_finished(self, ev: Finished) -> None:
+        reply = self.by_request.get(ev.request_id)
+        if reply is None:
+            return
+        status = {"abort": "stopped", "error": "error"}.get(ev.reason, "done")
+        self._end_reply(reply, status, None, ev.text, ev.prompt_tokens, ev.completion_tokens)
+
+    def _on_failed(self, request_id: str, message: str) -> None:
+        reply = self.by_request.get(request_id)
+        if reply is not None:
+            self._end_reply(reply, "error", message)
+
+    def _end_reply(
+        self,
+        reply: Reply,
+        status: str,
+        error: str | None = None,
+        text: str | None = None,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> None:
+        content = text if text is not None else reply.text
+        if error:
+            content = f"{content}\n\n> **Error:** {error}" if content else f"> **Error:** {error}"
+        with suppress(StoreError):  # the session was deleted while its reply was finishing
+            self.store.finish_message(
+                reply.message_id,
+                content,
+                status,
+                prompt_tokens,
+                completion_tokens if completion_tokens is not None else reply.tokens,
+            )
+        self.replies.pop(reply.session_id, None)
+        if reply.request_id is not None:
+            self.by_request.pop(reply.request_id, None)
+        shown = self.messages.get(reply.session_id)
+        if shown:
+            shown[-1].update(content=content, status=status)
+        self.reply_finished.emit(reply.session_id, status)
+        self.busy_changed.emit(reply.session_id, False)

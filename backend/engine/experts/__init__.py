@@ -1,0 +1,125 @@
+"""Expert-compute backends, one chosen when the engine starts (``select``).
+
+- ``native``: hand-written CPU kernels on stored Q4_0/Q4_1 bytes (``native.py``);
+- ``compiled``: Inductor graphs on the same bytes, where the kernels do not build;
+- ``grouped``: a job's experts decoded and multiplied together (accelerators);
+- ``eager``: dequantize, then torch's matmuls: every device and block type.
+
+``auto`` takes the first that can run: grouped for stored slots on an accelerator, else
+native, compiled, eager on the CPU. The choice is made once from the device, the slot
+format, the experts' block types and what builds, so no call tries one path after
+another; a backend asked for by name that cannot run here is an error saying why.
+Every backend gives the same tokens (the exactness tests run each one).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from backend.engine.cache import ExpertCache
+from backend.engine.experts.compiled import CompiledExperts
+from backend.engine.experts.eager import EagerExperts
+from backend.engine.experts.grouped import GroupedExperts
+from backend.engine.experts.native import NativeExperts
+from backend.errors import BevyError
+from backend.kernels import native, qmatmul
+from backend.models.transformer import Transformer
+from backend.models.weights import ExpertRef
+from backend.policies import EXPERT_BACKENDS
+
+log = logging.getLogger(__name__)
+
+_CLASSES: dict[str, type[EagerExperts]] = {
+    "native": NativeExperts,
+    "compiled": CompiledExperts,
+    "grouped": GroupedExperts,
+    "eager": EagerExperts,
+}
+
+
+def _kinds(experts: list[list[ExpertRef]]) -> set[tuple]:
+    """Each distinct expert as (block type, shape, bytes) of its gate, up and down."""
+    return {
+        tuple((p.qtype, tuple(p.shape), p.nbytes) for p in ref.parts)
+        for layer in experts
+        for ref in layer
+    }
+
+
+def why_not(
+    name: str,
+    experts: list[list[ExpertRef]],
+    slots: torch.Tensor,
+    dtype: torch.dtype,
+    use_native: bool = True,
+    use_compile: bool = True,
+) -> str | None:
+    """Why backend ``name`` cannot run these experts in these slots; None if it can."""
+    if name == "eager":
+        return None
+    if slots.dtype != torch.uint8:
+        return "the cache slots hold decoded weights (slot_format 'decoded'): only eager uses them"
+    kinds = _kinds(experts)
+    if name == "grouped":
+        for layer in experts:
+            if (
+                len({tuple((p.qtype, tuple(p.shape), p.nbytes) for p in r.parts) for r in layer})
+                > 1
+            ):
+                return "a layer's experts differ in block type or shape"
+        return None
+    if slots.device.type != "cpu":
+        return f"it runs on the CPU, and the experts are on {slots.device.type}"
+    if name == "native":
+        if not use_native:
+            return "the native kernels are turned off (native=False, or BEVY_NATIVE=0)"
+        if not native.available():
+            return "the native kernels did not build on this machine (see the log)"
+        refused = sorted({str(k[0][0].name) for k in kinds if native.mlp_types(k) is None})
+        if refused:
+            return f"the native kernels take Q4_0/Q4_1 experts, not {', '.join(refused)}"
+        for layer in experts:
+            if layer and len({tuple(r.gate.shape) for r in layer}) > 1:
+                return "a layer's experts differ in shape"
+        return None
+    if name == "compiled":
+        if not use_compile:
+            return "compiled graphs are turned off (compile=False, or BEVY_COMPILE=0)"
+        if dtype != torch.float32:
+            return f"the compiled graphs compute in float32, not {dtype}"
+        if len(kinds) > qmatmul.MAX_KINDS:
+            return f"the model has {len(kinds)} expert kinds; graphs are built for at most {qmatmul.MAX_KINDS}"
+        for kind in sorted(kinds, key=str):
+            parts = tuple((torch.zeros(n, dtype=torch.uint8), q, shape) for q, shape, n in kind)
+            if not qmatmul.warm_up(parts):
+                return "the expert graphs cannot be compiled for these experts (see the log)"
+        return None
+    raise ValueError(f"unknown expert backend {name!r} (known: {', '.join(EXPERT_BACKENDS)})")
+
+
+def select(
+    requested: str,
+    t: Transformer,
+    experts: list[list[ExpertRef]],
+    cache: ExpertCache,
+    slots: torch.Tensor,
+    layouts: dict,
+    working_set: int = 0,
+    use_native: bool = True,
+    use_compile: bool = True,
+) -> EagerExperts:
+    """The backend ``requested`` ("auto" or a name), ready to run; BevyError if a named one
+    cannot run here."""
+    args = (experts, slots, t.dtype, use_native, use_compile)
+    if requested == "auto":
+        order = ("grouped", "eager") if slots.device.type != "cpu" else ("native", "compiled")
+        name = next((n for n in order if why_not(n, *args) is None), "eager")
+    else:
+        reason = why_not(requested, *args)
+        if reason is not None:
+            raise BevyError(f"expert backend {requested!r} cannot run here: {reason}")
+        name = requested
+    log.info("expert backend: %s (%s)", name, "chosen" if requested == "auto" else "requested")
+    return _CLASSES[name](t, experts, cache, slots, layouts, working_set)

@@ -1,0 +1,116 @@
+"""The native expert backend: hand-written CPU kernels on experts' stored Q4 bytes.
+
+A decoding run's experts go to the kernels in one call (``native.moe``), riders'
+products included, with no Python or torch op per expert. A run the whole-layer kernel
+does not take (a prompt beside riders, an expert with more rows than the kernels'
+row bound) goes expert by expert: the kernel for a few rows, dequantize-then-matmul
+(``EagerExperts``) for more, where BLAS is the faster product. Both give the bits of
+each expert alone on its rows, scaled and added in expert order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from backend.engine.experts.eager import EagerExperts
+from backend.engine.request import Request
+from backend.kernels import native, qmatmul
+
+
+class NativeExperts(EagerExperts):
+    name = "native"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # (layer, expert) -> (the layout its bits were checked for, the kernels' type bits)
+        self._kinds: dict[tuple[int, int], tuple[tuple, int]] = {}
+
+    def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > qmatmul.MAX_ROWS:
+            return super().mlp(layer, e, x)
+        out = native.expert_mlp(self.stored_parts(layer, e), x)
+        if out is None:
+            raise RuntimeError(f"native expert kernel refused expert {(layer, e)}")
+        return out
+
+    def moe(
+        self,
+        layer: int,
+        members: Sequence[Request],
+        subsets: Sequence[set[int]],
+        n_whole: int,
+        x: torch.Tensor,
+        w: torch.Tensor,
+    ) -> torch.Tensor:
+        if all(r.n == 1 for r in members[n_whole:]):
+            y = self._whole_layer(layer, members, subsets, n_whole, x, w)
+            if y is not None:
+                return y
+        return super().moe(layer, members, subsets, n_whole, x, w)
+
+    def _bits(self, key: tuple[int, int], at: tuple) -> int:
+        kind = self._kinds.get(key)
+        if kind is None or kind[0] != at:
+            parts = self.experts[key[0]][key[1]].parts
+            bits = native.mlp_types(tuple((p.qtype, p.shape, p.nbytes) for p in parts))
+            width = self.slots.shape[1]
+            if bits is None or any(
+                o < 0 or o + p.nbytes > width for o, p in zip(at, parts, strict=True)
+            ):
+                raise RuntimeError(f"expert {key} does not fit the native kernels")
+            kind = self._kinds[key] = (at, bits)
+        return kind[1]
+
+    def _whole_layer(
+        self,
+        layer: int,
+        members: Sequence[Request],
+        subsets: Sequence[set[int]],
+        n_whole: int,
+        x: torch.Tensor,
+        w: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """``moe`` in one call to ``native.moe``, for whole members and one-token others;
+        None if an expert has more routes than the kernels' row bound."""
+        k = w.shape[1]
+        by_expert: dict[int, list[int]] = {}
+        i = 0  # route i is row i // k: rows ascending
+        for m, (r, s) in enumerate(zip(members, subsets, strict=True)):
+            for es in r.route_list:
+                for e in es:
+                    if m < n_whole or e in s:
+                        by_expert.setdefault(e, []).append(i)
+                    i += 1
+        if any(len(rs) > qmatmul.MAX_ROWS for rs in by_expert.values()):
+            return None
+        base, stride = self.slots.data_ptr(), self.slots.stride(0)
+        inner, hidden = self.experts[layer][0].gate.shape
+        weights: list[int] = []
+        types: list[int] = []
+        counts: list[int] = []
+        routes: list[int] = []
+        for e in sorted(by_expert):
+            rs = by_expert[e]
+            key = (layer, e)
+            at = self.layouts[key]
+            types.append(self._bits(key, at))
+            row = base + self.cache.slot_of[key] * stride
+            weights += (row + at[0], row + at[1], row + at[2])
+            counts.append(len(rs))
+            routes += rs
+        whole_rows = sum(r.n for r in members[:n_whole])
+        done = native.moe(weights, types, counts, routes, x, w, inner, hidden, whole_rows)
+        if done is None:
+            raise RuntimeError("native MoE kernel refused a run it was chosen for")
+        y, parts = done
+        if n_whole < len(members):  # one row each: route i is row i // k
+            j = 0
+            for e, n in zip(sorted(by_expert), counts, strict=True):
+                for i in routes[j : j + n]:
+                    if i // k >= whole_rows:
+                        # a copy: a view would keep all of ``parts`` alive with it
+                        members[n_whole + i // k - whole_rows].parts[e] = parts[j : j + 1].clone()
+                    j += 1
+        return y

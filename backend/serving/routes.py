@@ -1,0 +1,389 @@
+"""The OpenAI-compatible API as a FastAPI app over one EngineService: routes and requests.
+
+Each HTTP request becomes one engine request. The service calls our listener on its
+dispatcher thread, so the listener only hands events to the server's event loop
+(``call_soon_threadsafe``); everything else runs on that loop. A client that goes away
+mid-request aborts it, which releases its cache pins. Starting and stopping a server
+around this app is ``backend.serving.http``'s job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from backend.config import SamplingParams
+from backend.errors import BevyError
+from backend.messages import ErrorEvent, Event, Finished, Submit, TokenEvent
+from backend.models.generate import chat_prompt_ids
+from backend.serving.guard import Guard
+from backend.serving.metrics_text import ApiCounters, render_metrics
+from backend.serving.openai_schema import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_completion,
+    completion,
+    model_card,
+    usage,
+    validation_error,
+)
+from backend.serving.service import EngineService
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+class _Call:
+    """One engine request as the event loop sees it: its events arrive on an asyncio queue."""
+
+    def __init__(self, service: EngineService, rid: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.service, self.rid, self._loop = service, rid, loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.tokens = 0
+        self.ended = False
+
+    def listener(self, ev: Event) -> None:  # on the service's dispatcher thread
+        # RuntimeError: the server's loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
+
+    async def events(self) -> AsyncIterator[TokenEvent | Finished]:
+        """Token events, then the Finished; an engine error raises ApiError."""
+        while True:
+            ev = await self._queue.get()
+            if isinstance(ev, ErrorEvent):
+                self.ended = True
+                # Before any token an error is the request's fault (the engine validates it).
+                ours = self.service.failure is not None or self.tokens > 0
+                raise ApiError(500 if ours else 400, ev.message)
+            if isinstance(ev, Finished):
+                self.ended = True
+                if ev.reason == "abort":
+                    raise ApiError(503, "the request was aborted on the server")
+                yield ev
+                return
+            self.tokens += 1
+            yield ev
+
+
+async def _parse(request: Request, model: type[_Body]) -> _Body:
+    """The JSON body as ``model``, whatever the Content-Type (curl -d sends a form type)."""
+    try:
+        data = json.loads(await request.body())
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+def _sse(data: dict | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+class ApiServer:
+    """The FastAPI app serving one EngineService; ``app`` is the ASGI application."""
+
+    def __init__(
+        self, service: EngineService, api_key: str | None = None, max_queue: int = 64
+    ) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.service, self.api_key, self.max_queue = service, api_key or None, max_queue
+        self.counters = ApiCounters()
+        self.created = int(time.time())
+        self._reserved = 0  # admitted, still rendering the prompt: not yet in service.active
+        self._calls: dict[str, _Call] = {}
+        self.app = self._build()
+
+    # --- routes -------------------------------------------------------------------------
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="Bevy", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(Guard, api=self)
+        name = self.service.model_name
+
+        @app.exception_handler(ApiError)
+        async def api_error(_: Request, exc: ApiError) -> Response:
+            return JSONResponse(exc.body, exc.status)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_: Request, exc: HTTPException) -> Response:
+            err = ApiError(exc.status_code, str(exc.detail))
+            return JSONResponse(err.body, err.status)
+
+        @app.exception_handler(Exception)
+        async def crashed(_: Request, exc: Exception) -> Response:
+            err = ApiError(500, f"internal error: {exc!r}")
+            return JSONResponse(err.body, err.status)
+
+        @app.get("/health")
+        async def health() -> Response:
+            failure = self.service.failure
+            body = {"status": "error" if failure else "ok", "model": name, "error": failure}
+            return JSONResponse(body, 503 if failure else 200)
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [model_card(name, self.created)]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str) -> dict:
+            self._check_model(model_id)
+            return model_card(name, self.created)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            body = await _parse(request, ChatCompletionRequest)
+            self._check_model(body.model)
+            params = body.params()
+            messages, tools = body.chat_messages(), body.chat_tools()
+            call = await self._start("chatcmpl", params, lambda: self._chat_ids(messages, tools))
+            if body.stream:
+                with_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return self._stream(call, self._chat_chunks(call, with_usage))
+            fin = await self._collect(call, request)
+            return JSONResponse(chat_completion(call.rid, name, fin.text, fin))
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            body = await _parse(request, CompletionRequest)
+            self._check_model(body.model)
+            params = body.params()
+            prompt = body.prompt_text_or_ids()
+            call = await self._start("cmpl", params, lambda: self._completion_ids(prompt))
+            echo = ""
+            if body.echo:
+                tok = self.service.model.tokenizer
+                echo = prompt if isinstance(prompt, str) else tok.decode(prompt)
+            if body.stream:
+                with_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return self._stream(call, self._completion_chunks(call, echo, with_usage))
+            fin = await self._collect(call, request)
+            text = echo + fin.text
+            return JSONResponse(
+                completion(call.rid, name, int(time.time()), text, fin.reason, usage(fin))
+            )
+
+        @app.get("/v1/stats")
+        async def stats() -> dict:
+            return self.stats()
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return PlainTextResponse(
+                self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
+            )
+
+        return app
+
+    # --- requests -----------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.service.model_name):
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server runs {self.service.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _check_prompt(self, ids: list[int], param: str) -> list[int]:
+        ctx = self.service.model.config.context_length
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param=param)
+        if len(ids) >= ctx:
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens; the model's context is {ctx} tokens "
+                "(prompt and reply must fit in it)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return ids
+
+    def _chat_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        try:
+            ids = chat_prompt_ids(self.service.model, messages, tools)
+        except (ValueError, BevyError) as exc:  # the chat template refused the conversation
+            raise ApiError(400, str(exc), param="messages") from None
+        return self._check_prompt(ids, "messages")
+
+    def _completion_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._check_prompt(
+                self.service.model.tokenizer.encode(prompt, add_special=True), "prompt"
+            )
+        vocab = self.service.model.config.vocab_size
+        if any(not 0 <= i < vocab for i in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return self._check_prompt(list(prompt), "prompt")
+
+    async def _start(
+        self, prefix: str, params: SamplingParams, prompt_ids: Callable[[], list[int]]
+    ) -> _Call:
+        """Admit (429 when the queue is full), tokenize off the loop, submit."""
+        if self.service.active + self._reserved >= self.max_queue:
+            self.counters.rejected += 1
+            raise ApiError(
+                429,
+                f"the server is busy: {self.max_queue} requests are in flight; retry later",
+                code="rate_limit_exceeded",
+            )
+        self._reserved += 1
+        try:
+            ids = await run_in_threadpool(prompt_ids)
+            rid = self.service.new_id(prefix)
+            call = _Call(self.service, rid, asyncio.get_running_loop())
+            self._calls[rid] = call
+            self.service.submit(Submit(rid, params, prompt_ids=ids, session="api"), call.listener)
+        finally:
+            self._reserved -= 1
+        return call
+
+    def _count(self, fin: Finished) -> None:
+        self.counters.prompt_tokens += fin.prompt_tokens
+        self.counters.completion_tokens += fin.completion_tokens
+
+    def _release(self, call: _Call) -> None:
+        """The HTTP side is done with ``call``; abort it if the engine is not."""
+        self._calls.pop(call.rid, None)
+        if not call.ended:
+            call.ended = True
+            self.counters.aborted += 1
+            self.service.abort(call.rid)
+
+    async def _collect(self, call: _Call, request: Request) -> Finished:
+        """Wait for the whole reply, aborting the request if the client disconnects."""
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self._release(call)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for ev in call.events():
+                if isinstance(ev, Finished):
+                    self._count(ev)
+                    return ev
+            raise ApiError(500, "the request ended without a result")
+        finally:
+            watcher.cancel()
+            self._calls.pop(call.rid, None)
+
+    def _stream(self, call: _Call, chunks: AsyncIterator[dict]) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in chunks:
+                    yield _sse(chunk)
+            except ApiError as exc:
+                yield _sse(exc.body)
+            finally:  # also on cancellation: Starlette cancels us when the client disconnects
+                self._release(call)
+            yield _sse("[DONE]")
+
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    async def _chat_chunks(self, call: _Call, with_usage: bool) -> AsyncIterator[dict]:
+        name, created = self.service.model_name, int(time.time())
+
+        def chunk(delta: dict | None, **kw) -> dict:
+            return chat_chunk(call.rid, name, created, delta, with_usage=with_usage, **kw)
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for ev in call.events():
+            if isinstance(ev, TokenEvent):
+                if ev.text:
+                    yield chunk({"content": ev.text})
+                continue
+            self._count(ev)
+            yield chunk({}, finish=ev.reason)
+            if with_usage:
+                yield chunk(None, usage_=usage(ev))
+
+    async def _completion_chunks(
+        self, call: _Call, echo: str, with_usage: bool
+    ) -> AsyncIterator[dict]:
+        name, created = self.service.model_name, int(time.time())
+        if echo:
+            yield completion(call.rid, name, created, echo, None, with_usage=with_usage)
+        async for ev in call.events():
+            if isinstance(ev, TokenEvent):
+                if ev.text:
+                    yield completion(call.rid, name, created, ev.text, None, with_usage=with_usage)
+                continue
+            self._count(ev)
+            yield completion(call.rid, name, created, "", ev.reason, with_usage=with_usage)
+            if with_usage:
+                yield completion(call.rid, name, created, "", None, usage(ev), choices=False)
+
+    def abort_all(self) -> None:
+        """Abort every request this server submitted (any thread)."""
+        for rid in tuple(self._calls):
+            self.service.abort(rid)
+
+    # --- observability ------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        s, c = self.service.latest, self.counters
+        engine = (
+            {
+                "tokens_per_s": s.tokens_per_s,
+                "tokens_total": s.tokens_total,
+                "cache_hit_rate": s.hit_rate,
+                "both_busy_pct": 100 * s.both_busy_frac,
+                "compute_wait_pct": 100 * s.compute_wait_frac,
+                "cache_slots": s.cache_slots,
+                "cache_used": s.cache_used,
+                "cache_pinned": s.cache_pinned,
+                "runahead": s.runahead,
+                "snapshot_age_s": max(0.0, time.perf_counter() - s.t),
+                "requests": [
+                    {
+                        "id": r.request_id,
+                        "session": r.session,
+                        "layer": r.layer,
+                        "n_layers": r.n_layers,
+                        "state": r.state,
+                        "tokens": r.tokens,
+                    }
+                    for r in s.requests
+                ],
+            }
+            if s is not None
+            else {"requests": []}
+        )
+        return {
+            "model": self.service.model_name,
+            "expert_backend": self.service.engine.expert_backend,
+            "active_requests": self.service.active,
+            "max_queue": self.max_queue,
+            **engine,
+            "api": {
+                "rejected": c.rejected,
+                "aborted": c.aborted,
+                "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": c.completion_tokens,
+            },
+        }
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition format (version 0.0.4)."""
+        return render_metrics(self.service.latest, self.service.active, self.counters)
