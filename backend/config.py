@@ -8,6 +8,25 @@ from dataclasses import dataclass, field
 
 from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS, policy_fields
 
+GRAMMAR_KINDS = ("json_schema", "lark", "gbnf", "regex")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a reply must match: a JSON schema (as JSON text), a Lark grammar (llguidance's
+    dialect), a GBNF grammar (llama.cpp's; converted to Lark) or a regular expression."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(
+                f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ValueError("a grammar needs a non-empty source")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    grammar: Grammar | None = None  # constrained decoding (backend/text/grammar.py)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 10.0):

@@ -45,6 +45,7 @@ from backend.messages import (
 from backend.models.generate import chat_prompt_ids
 from backend.models.loader import LoadedModel
 from backend.models.transformer import KVCache
+from backend.text.grammar import Matcher
 from backend.text.sampling import make_generator, sample
 from backend.text.stops import StopMatcher
 
@@ -299,11 +300,16 @@ class Engine:
                 raise BevyError(
                     f"prompt + max_tokens needs more KV cache than the {self.config.kv_budget_mib} MiB budget"
                 )
+            tok = self.model.tokenizer
+            grammar = None
+            if msg.params.grammar is not None:
+                if tok is None:
+                    raise BevyError("constrained decoding needs the model's tokenizer")
+                grammar = Matcher(tok, vocab, msg.params.grammar)
         except Exception as exc:  # any bad request fails alone, never the engine
             self._emit(ErrorEvent(msg.request_id, str(exc)))
             return
-        tok = self.model.tokenizer
-        r = Request(msg.request_id, ids, msg.params, session=msg.session)
+        r = Request(msg.request_id, ids, msg.params, session=msg.session, grammar=grammar)
         r.generator = make_generator(msg.params)
         r.decoder = tok.stream_decoder() if tok is not None else None
         r.stops = StopMatcher(msg.params.stop)
@@ -451,7 +457,8 @@ class Engine:
     def _postprocess(self, r: Request, logits: torch.Tensor) -> bool:
         """Sample, stream, check stops. Returns whether the request goes on."""
         tok = self.model.tokenizer
-        nxt = sample(logits, r.params, r.generator, r.prompt_ids + r.out_ids)
+        allowed = r.grammar.allowed() if r.grammar is not None else None
+        nxt = sample(logits, r.params, r.generator, r.prompt_ids + r.out_ids, allowed)
         if tok is not None and nxt in tok.eos_ids and not r.params.ignore_eos:
             self._finish(r, "stop")
             return False
@@ -462,6 +469,9 @@ class Engine:
         self._emit(TokenEvent(r.id, nxt, text))
         if r.stops.stopped:
             self._finish(r, "stop")
+            return False
+        if r.grammar is not None and (not r.grammar.accept(nxt) or r.grammar.done):
+            self._finish(r, "stop")  # the grammar admits nothing more
             return False
         if (
             len(r.out_ids) >= r.params.max_tokens
@@ -480,6 +490,8 @@ class Engine:
     def _finish(self, r: Request, reason: str) -> None:
         if r.claimed:
             self.claims.release(r)
+        if r.grammar is not None:
+            r.grammar.close()
         if r in self.running:
             self.running.remove(r)
         elif r in self.waiting:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # annotations only: the scheduler's tests run on requests wit
 
     from backend.config import SamplingParams
     from backend.models.transformer import KVCache
+    from backend.text.grammar import Matcher
     from backend.text.stops import StopMatcher
 
 
@@ -40,6 +41,7 @@ class Request:
     generator: torch.Generator | None = None
     decoder: object | None = None  # tokenizer StreamDecoder
     stops: StopMatcher | None = None
+    grammar: Matcher | None = None  # where the reply is constrained (``params.grammar``)
     # Position in the model (valid while RUNNING).
     layer: int = 0
     start: int = 0  # position of the first token in flight

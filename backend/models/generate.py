@@ -13,6 +13,7 @@ from backend.errors import BevyError
 from backend.models.loader import LoadedModel
 from backend.models.transformer import GetExpert, KVCache, SeqSlice
 from backend.text.chat_template import DEFAULT_TEMPLATE, render_chat
+from backend.text.grammar import Matcher
 from backend.text.sampling import make_generator, sample
 from backend.text.stops import StopMatcher
 
@@ -76,6 +77,11 @@ def generate(
     decoder = tok.stream_decoder() if tok else None
     stops = StopMatcher(params.stop)
     eos = tok.eos_ids if tok else set()
+    grammar = None
+    if params.grammar is not None:
+        if tok is None:
+            raise BevyError("constrained decoding needs the model's tokenizer")
+        grammar = Matcher(tok, cfg.vocab_size, params.grammar)
     out_ids: list[int] = []
     text = []
     t0 = time.perf_counter()
@@ -87,7 +93,8 @@ def generate(
     finish = "length"
     pos = len(prompt_ids)
     while True:
-        nxt = sample(logits, params, gen, prompt_ids + out_ids)
+        allowed = grammar.allowed() if grammar is not None else None
+        nxt = sample(logits, params, gen, prompt_ids + out_ids, allowed)
         if nxt in eos and not params.ignore_eos:
             finish = "stop"
             break
@@ -101,6 +108,9 @@ def generate(
             if stops.stopped:
                 finish = "stop"
                 break
+        if grammar is not None and (not grammar.accept(nxt) or grammar.done):
+            finish = "stop"  # the grammar admits nothing more
+            break
         if len(out_ids) >= params.max_tokens or pos + 1 >= cfg.context_length:
             break
         logits = t.forward(

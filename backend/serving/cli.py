@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 from pathlib import Path
@@ -41,6 +42,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="constrain the reply to this JSON schema (a .json file)",
+    )
 
 
 def _add_store_args(p: argparse.ArgumentParser) -> None:
@@ -161,8 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args: argparse.Namespace):
-    from backend.config import SamplingParams
+    from backend.config import Grammar, SamplingParams
 
+    grammar = None
+    if getattr(args, "json_schema", None) is not None:
+        try:
+            source = args.json_schema.read_text(encoding="utf-8")
+            json.loads(source)
+        except (OSError, ValueError) as exc:
+            raise BevyError(f"{args.json_schema}: not a readable JSON schema ({exc})") from None
+        grammar = Grammar("json_schema", source)
     try:
         return SamplingParams(
             temperature=args.temperature,
@@ -173,6 +189,7 @@ def _sampling(args: argparse.Namespace):
             max_tokens=args.max_tokens,
             seed=args.seed,
             stop=tuple(args.stop),
+            grammar=grammar,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None

@@ -7,12 +7,13 @@ Requests accept unknown fields (clients send ``user``, ``metadata`` ...) and ref
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.config import SamplingParams
+from backend.config import Grammar, SamplingParams
 from backend.messages import Finished
 
 # --- errors -----------------------------------------------------------------------------
@@ -91,7 +92,7 @@ class _GenerationRequest(BaseModel):
         if self.logprobs:
             raise ApiError(400, "logprobs are not supported", param="logprobs")
 
-    def sampling(self, max_tokens: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, grammar: Grammar | None = None) -> SamplingParams:
         """Engine sampling settings; fields left unset take Bevy's defaults."""
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ApiError(400, "seed must fit in 64 bits", param="seed")
@@ -112,6 +113,7 @@ class _GenerationRequest(BaseModel):
                 **{k: v for k, v in given.items() if v is not None},
                 stop=stop,
                 ignore_eos=self.ignore_eos,
+                grammar=grammar,
             )
         except ValueError as exc:  # SamplingParams names the field first: "top_p must be ..."
             message = str(exc)
@@ -130,14 +132,35 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def params(self) -> SamplingParams:
         self.check_supported()
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(
-                400, "only response_format type 'text' is supported", param="response_format"
-            )
         return self.sampling(
             self.max_completion_tokens
             if self.max_completion_tokens is not None
-            else self.max_tokens
+            else self.max_tokens,
+            self.grammar(),
+        )
+
+    def grammar(self) -> Grammar | None:
+        """``response_format`` as a grammar: "json_object" (any JSON object) or
+        "json_schema" (that schema; every reply is held to it, "strict" or not)."""
+        rf = self.response_format or {}
+        kind = rf.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Grammar("json_schema", json.dumps({"type": "object"}))
+        if kind == "json_schema":
+            schema = (rf.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError(
+                    400,
+                    "response_format.json_schema.schema must be a JSON schema object",
+                    param="response_format",
+                )
+            return Grammar("json_schema", json.dumps(schema))
+        raise ApiError(
+            400,
+            f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+            param="response_format",
         )
 
     def chat_tools(self) -> list[dict] | None:
@@ -183,6 +206,10 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # llama.cpp's server extensions: a JSON schema, or a GBNF grammar (Lark where it
+    # starts with "%llguidance", as llama.cpp reads it).
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
 
     def params(self) -> SamplingParams:
         self.check_supported()
@@ -190,7 +217,15 @@ class CompletionRequest(_GenerationRequest):
             raise ApiError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise ApiError(400, "best_of must be 1", param="best_of")
-        return self.sampling(self.max_tokens)
+        if self.json_schema is not None and self.grammar:
+            raise ApiError(400, "give json_schema or grammar, not both", param="grammar")
+        grammar = None
+        if self.json_schema is not None:
+            grammar = Grammar("json_schema", json.dumps(self.json_schema))
+        elif self.grammar:
+            kind = "lark" if self.grammar.lstrip().startswith("%llguidance") else "gbnf"
+            grammar = Grammar(kind, self.grammar)
+        return self.sampling(self.max_tokens, grammar)
 
     def prompt_text_or_ids(self) -> str | list[int]:
         p = self.prompt

@@ -22,10 +22,14 @@ def sample(
     params: SamplingParams,
     generator: torch.Generator,
     history: Sequence[int] = (),
+    allowed: torch.Tensor | None = None,
 ) -> int:
-    """``logits`` [V] (float32, any device) -> token id. ``history``: ids seen so far."""
+    """``logits`` [V] (float32, any device) -> token id. ``history``: ids seen so far;
+    ``allowed``: where set, a bool mask [V] of the tokens a grammar admits next."""
     # A copy: logits may be an inference-mode tensor, which must not be edited in place.
     logits = logits.detach().float().cpu().clone()
+    if allowed is not None:
+        logits.masked_fill_(~allowed, float("-inf"))
     if params.repetition_penalty != 1.0 and history:
         seen = torch.tensor(sorted(set(history)), dtype=torch.long)
         vals = logits[seen]

@@ -204,28 +204,31 @@ def test_reads_run_alongside_python_compute(tier: str, tiny_gguf: Path) -> None:
     with open_store(tier, all_refs(tiny_gguf)) as store:
         slots = store.alloc_slots(2)
         reads = 4 * len(refs)
-        done: list[int] = []
+        seen: list[int] = []  # busy-loop iterations during each read
         errors: list[BaseException] = []
+        work = [0]
 
         def reader() -> None:
             try:
                 for i in range(reads):
+                    before = work[0]
                     store.read_into(refs[i % len(refs)], slots[i % 2])
-                    done.append(i)
+                    seen.append(work[0] - before)
             except BaseException as exc:
                 errors.append(exc)
 
         thread = threading.Thread(target=reader)
-        work = 0
         start = time.perf_counter()
         thread.start()
         while thread.is_alive() and time.perf_counter() - start < 20:
-            work += 1  # pure-Python compute holding the GIL between bytecodes
+            work[0] += 1  # pure-Python compute holding the GIL between bytecodes
         thread.join(timeout=5)
     assert not errors and not thread.is_alive()
-    assert len(done) == reads
-    # Both sides progressed: the busy loop was not frozen while the reader read.
-    assert work > 10_000
+    assert len(seen) == reads
+    # The busy loop ran while reads were under way: a read holding the GIL for its whole
+    # call would leave the count where it was. (By count, not time: a loaded machine runs
+    # fewer iterations, never none.)
+    assert sum(1 for n in seen if n > 0) > 0, seen
 
 
 # --- the demo MoE -------------------------------------------------------------------------

@@ -172,3 +172,25 @@ def test_models_info(tiny_gguf: Path, tmp_path: Path) -> None:
     assert done.returncode == 0 and "family                     llama" in done.stdout
     missing = tmp_path / "gone.gguf"
     assert_clean_error(run_cli("models", "info", str(missing)), missing, "no such file")
+
+
+def test_generate_json_schema(tiny_chat_moe: Path, tmp_path: Path) -> None:
+    """`bevy generate --json-schema FILE`: the reply is JSON of that schema; a file that is
+    not JSON is one clear line naming it."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    args = ("generate", "--model", str(tiny_chat_moe), "--json-schema", str(path))
+    done = run_cli(*args, "--max-tokens", "40", "--seed", "1", "Reply in JSON.")
+    assert done.returncode == 0, done.stderr
+    jsonschema.validate(json.loads(done.stdout), schema)
+    path.write_text("{not json")
+    done = run_cli(*args, "x")
+    assert_clean_error(done, path, "not a readable JSON schema")

@@ -294,3 +294,125 @@ def test_embedded_server_answers_429_when_the_queue_is_full(tiny_chat_moe: Path)
         handle.stop()
         service.close()
     assert not handle.running
+
+
+# Five shapes OpenAI clients ask for; every string and array is bounded, so the tiny random
+# model's reply ends by the grammar, not by max_tokens.
+SCHEMAS = {
+    "nested objects": {
+        "type": "object",
+        "properties": {
+            "city": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 12}},
+                "required": ["name"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "enums": {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["unit"],
+        "additionalProperties": False,
+    },
+    "bounded arrays": {
+        "type": "object",
+        "properties": {
+            "days": {
+                "type": "array",
+                "items": {"enum": ["mon", "tue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["days"],
+        "additionalProperties": False,
+    },
+    "number ranges": {
+        "type": "object",
+        "properties": {
+            "t": {"type": "integer", "minimum": -40, "maximum": 50},
+            "p": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["t", "p"],
+        "additionalProperties": False,
+    },
+    "required fields": {
+        "type": "object",
+        "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}, "c": {"type": "boolean"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_response_format_json_schema_output_validates(client: openai.OpenAI, name: str) -> None:
+    import jsonschema
+
+    schema = SCHEMAS[name]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Reply in JSON."}],
+        max_tokens=200,
+        temperature=0.7,
+        seed=3,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": name.replace(" ", "_"), "schema": schema, "strict": True},
+        },
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_json_object_and_completion_grammars(client: openai.OpenAI, server: str) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "JSON please."}],
+        max_tokens=300,
+        response_format={"type": "json_object"},
+    )
+    content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert content.startswith("{")
+    if finish == "stop":  # an open object can grow until max_tokens ends it
+        assert isinstance(json.loads(content), dict)
+    # llama.cpp's extensions on /v1/completions: a GBNF grammar and a JSON schema.
+    text = (
+        client.completions.create(
+            model=MODEL,
+            prompt="Answer:",
+            max_tokens=20,
+            extra_body={"grammar": 'root ::= ("yes" | "no") "."'},
+        )
+        .choices[0]
+        .text
+    )
+    assert text in ("yes.", "no.")
+    text = (
+        client.completions.create(
+            model=MODEL,
+            prompt="Answer:",
+            max_tokens=40,
+            extra_body={"json_schema": SCHEMAS["enums"]},
+        )
+        .choices[0]
+        .text
+    )
+    assert json.loads(text)["unit"] in ("celsius", "fahrenheit")
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x"}},
+        )
+    assert exc.value.param == "response_format"
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={"prompt": "x", "max_tokens": 4, "grammar": "root ::= ("},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 400 and "invalid gbnf grammar" in r.json()["error"]["message"]
