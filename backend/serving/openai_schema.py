@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backend.config import Grammar, SamplingParams
 from backend.messages import Finished
+from backend.text.tool_calls import ToolCall, call_grammar, tools_prompt
 
 # --- errors -----------------------------------------------------------------------------
 
@@ -128,15 +129,56 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
-    def params(self) -> SamplingParams:
+    def params(self, fmt: str) -> SamplingParams:
+        """Sampling settings; ``fmt``: the model's tool-call format (``detect_format``)."""
         self.check_supported()
+        grammar = self.grammar()
+        forced = self.forced_tools()
+        if forced is not None:
+            if grammar is not None:
+                raise ApiError(
+                    400,
+                    "give response_format or a forced tool_choice, not both",
+                    param="tool_choice",
+                )
+            grammar = Grammar("lark", call_grammar(forced, fmt))
         return self.sampling(
             self.max_completion_tokens
             if self.max_completion_tokens is not None
             else self.max_tokens,
-            self.grammar(),
+            grammar,
+        )
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the reply is read for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> list[dict] | None:
+        """The tools a call is forced among ("required": any; a named one: it), else None."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if not self.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if choice == "required":
+            return self.tools
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            name = (choice.get("function") or {}).get("name")
+            named = [t for t in self.tools if (t.get("function") or {}).get("name") == name]
+            if not named:
+                raise ApiError(
+                    400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+                )
+            return named
+        raise ApiError(
+            400,
+            "tool_choice must be 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
         )
 
     def grammar(self) -> Grammar | None:
@@ -163,20 +205,55 @@ class ChatCompletionRequest(_GenerationRequest):
             param="response_format",
         )
 
-    def chat_tools(self) -> list[dict] | None:
-        """Tools for the chat template. Replies come back as text (tool calls are not parsed
-        into ``tool_calls``) and a model cannot be forced to call one, so ``tool_choice``
-        other than "auto" / "none" (which hides the tools) is refused rather than ignored."""
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ApiError(
-                400,
-                "tool_choice must be 'auto' or 'none': forcing a tool call is not supported",
-                param="tool_choice",
-            )
-        return None if self.tool_choice == "none" else self.tools
+    def chat_tools(self, fmt: str) -> list[dict] | None:
+        """Tools for the chat template: a template with tool syntax renders them itself;
+        for others (``generic``) they are described in the system prompt instead."""
+        return self.tools if self.uses_tools and fmt != "generic" else None
 
-    def chat_messages(self) -> list[dict]:
-        """Messages with text content parts joined into strings, as chat templates expect."""
+    def chat_messages(self, fmt: str) -> list[dict]:
+        """Messages as chat templates expect them: text parts joined into strings, no
+        missing content, tool-call arguments as objects; for the ``generic`` format,
+        earlier calls written back as the model writes them and the tools described in
+        the system prompt."""
+        out = [dict(m) for m in self._plain_messages()]
+        for m in out:
+            if m.get("content") is None:
+                m["content"] = ""
+            calls = m.get("tool_calls")
+            if m["role"] != "assistant" or not calls:
+                continue
+            parsed = []
+            for j, c in enumerate(calls):
+                fn = (c or {}).get("function") or {}
+                args = fn.get("arguments", "{}")
+                try:
+                    args = json.loads(args) if isinstance(args, str) else args
+                except ValueError:
+                    raise ApiError(
+                        400,
+                        f"tool_calls[{j}].function.arguments is not JSON",
+                        param="messages",
+                    ) from None
+                parsed.append({**c, "function": {"name": fn.get("name", ""), "arguments": args}})
+            m["tool_calls"] = parsed
+            if fmt == "generic":
+                m["content"] += "".join(
+                    ToolCall(c["function"]["name"], json.dumps(c["function"]["arguments"])).text(
+                        fmt
+                    )
+                    for c in parsed
+                )
+                del m["tool_calls"]
+        if fmt == "generic" and self.uses_tools:
+            prompt = tools_prompt(self.tools)
+            if out and out[0]["role"] == "system":
+                out[0]["content"] = f"{out[0]['content']}\n\n{prompt}"
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out
+
+    def _plain_messages(self) -> list[dict]:
+        """Messages with text content parts joined into strings (copies)."""
         out = []
         for i, m in enumerate(self.messages):
             if not isinstance(m.get("role"), str):
@@ -247,7 +324,16 @@ def usage(fin: Finished) -> dict:
     }
 
 
-def chat_completion(rid: str, model: str, text: str, fin: Finished) -> dict:
+def chat_completion(
+    rid: str, model: str, text: str, fin: Finished, calls: list[ToolCall] = ()
+) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message = {
+            "role": "assistant",
+            "content": text or None,
+            "tool_calls": [c.openai() for c in calls],
+        }
     return {
         "id": rid,
         "object": "chat.completion",
@@ -256,9 +342,9 @@ def chat_completion(rid: str, model: str, text: str, fin: Finished) -> dict:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": fin.reason,
+                "finish_reason": "tool_calls" if calls else fin.reason,
             }
         ],
         "usage": usage(fin),

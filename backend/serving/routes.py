@@ -40,6 +40,7 @@ from backend.serving.openai_schema import (
     validation_error,
 )
 from backend.serving.service import EngineService
+from backend.text.tool_calls import StreamParser, detect_format, parse
 
 _Body = TypeVar("_Body", bound=BaseModel)
 
@@ -151,14 +152,17 @@ class ApiServer:
         async def chat(request: Request) -> Response:
             body = await _parse(request, ChatCompletionRequest)
             self._check_model(body.model)
-            params = body.params()
-            messages, tools = body.chat_messages(), body.chat_tools()
+            fmt = detect_format(self.service.model.tokenizer.chat_template)
+            params = body.params(fmt)
+            messages, tools = body.chat_messages(fmt), body.chat_tools(fmt)
             call = await self._start("chatcmpl", params, lambda: self._chat_ids(messages, tools))
+            reader = fmt if body.uses_tools else None
             if body.stream:
                 with_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return self._stream(call, self._chat_chunks(call, with_usage))
+                return self._stream(call, self._chat_chunks(call, with_usage, reader))
             fin = await self._collect(call, request)
-            return JSONResponse(chat_completion(call.rid, name, fin.text, fin))
+            content, calls = parse(fin.text, reader) if reader else (fin.text, [])
+            return JSONResponse(chat_completion(call.rid, name, content, fin, calls))
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -301,20 +305,41 @@ class ApiServer:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
-    async def _chat_chunks(self, call: _Call, with_usage: bool) -> AsyncIterator[dict]:
+    async def _chat_chunks(
+        self, call: _Call, with_usage: bool, tool_format: str | None = None
+    ) -> AsyncIterator[dict]:
+        """The reply as chunks; with ``tool_format``, calls come out as ``delta.tool_calls``
+        (each whole, when it closes) and the text around them as content."""
         name, created = self.service.model_name, int(time.time())
+        reader = StreamParser(tool_format) if tool_format else None
+        n_calls = 0
 
         def chunk(delta: dict | None, **kw) -> dict:
             return chat_chunk(call.rid, name, created, delta, with_usage=with_usage, **kw)
 
+        def deltas(text: str, calls: list) -> list[dict]:
+            nonlocal n_calls
+            out = [chunk({"content": text})] if text else []
+            for c in calls:
+                out.append(chunk({"tool_calls": [c.openai(index=n_calls)]}))
+                n_calls += 1
+            return out
+
         yield chunk({"role": "assistant", "content": ""})
         async for ev in call.events():
             if isinstance(ev, TokenEvent):
-                if ev.text:
-                    yield chunk({"content": ev.text})
+                if reader is None:
+                    if ev.text:
+                        yield chunk({"content": ev.text})
+                else:
+                    for c in deltas(*reader.feed(ev.text)):
+                        yield c
                 continue
+            if reader is not None:
+                for c in deltas(*reader.finish()):
+                    yield c
             self._count(ev)
-            yield chunk({}, finish=ev.reason)
+            yield chunk({}, finish="tool_calls" if n_calls else ev.reason)
             if with_usage:
                 yield chunk(None, usage_=usage(ev))
 

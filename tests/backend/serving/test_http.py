@@ -200,8 +200,8 @@ def test_bad_requests_get_clear_4xx_errors(client: openai.OpenAI, server: str) -
     assert exc.value.param == "n"
     tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as exc:
-        _chat(client, tools=[tool], tool_choice="required")
-    assert exc.value.param == "tool_choice"
+        _chat(client, tools=[tool], tool_choice={"type": "function", "function": {"name": "rm"}})
+    assert exc.value.param == "tool_choice" and "'rm'" in exc.value.message
 
 
 def test_negative_seed_means_random_as_in_llama_cpp(client: openai.OpenAI) -> None:
@@ -416,3 +416,105 @@ def test_json_object_and_completion_grammars(client: openai.OpenAI, server: str)
         headers={"Authorization": f"Bearer {KEY}"},
     )
     assert r.status_code == 400 and "invalid gbnf grammar" in r.json()["error"]["message"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_weather_tool_round_trip(client: openai.OpenAI) -> None:
+    """tool_choice "required" -> a call whose arguments fit the tool's schema -> the tool's
+    result sent back (assistant message with content None, then role "tool") -> a text
+    answer. The tiny model is random: what it says is not checked, only the protocol."""
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21, "sky": "clear"}'},
+    ]
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, CLOCK], tool_choice="none", max_tokens=8
+    )
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(final.choices[0].message.content, str)
+    assert not final.choices[0].message.tool_calls
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_call(client: openai.OpenAI) -> None:
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Rome?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+    )
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        for tc in delta.tool_calls or []:
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+    assert finish == "tool_calls"
+    assert calls == {0: {"name": whole.function.name, "arguments": whole.function.arguments}}
+
+
+def test_a_named_tool_choice_calls_that_tool(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=60,
+        temperature=0.9,
+        seed=5,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
