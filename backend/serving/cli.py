@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(gen)
     _add_sampling_args(gen)
     gen.add_argument("--stats", action="store_true", help="print timing to stderr")
+    gen.add_argument(
+        "--tools",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="offer these tools (a JSON list in OpenAI's format) and print the reply's "
+        "content and parsed tool calls as JSON",
+    )
     gen.add_argument("prompt", help="the user message")
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     _add_model_arg(chat)
@@ -210,18 +218,56 @@ def _load(args: argparse.Namespace):
     return model
 
 
+def _generate_with_tools(model, messages: list[dict], tools: list[dict], params):
+    """One reply with ``tools`` offered as the API offers them (the model's own call
+    format, a call held to its schema once begun); prints {"content", "tool_calls"}."""
+    from dataclasses import replace
+
+    from backend.models.generate import chat_prompt_ids, generate
+    from backend.serving.openai_schema import ApiError, ChatCompletionRequest
+    from backend.text.tool_calls import detect_format, parse
+
+    fmt = detect_format(model.tokenizer.chat_template)
+    body = ChatCompletionRequest(messages=messages, tools=tools)
+    try:
+        grammar = body.params(fmt).grammar
+        ids = chat_prompt_ids(model, body.chat_messages(fmt), body.chat_tools(fmt))
+    except ApiError as exc:
+        raise BevyError(exc.message) from None
+    result = generate(model, ids, replace(params, grammar=params.grammar or grammar))
+    content, calls = parse(result.text, fmt)
+    reply = {"content": content, "tool_calls": [c.openai() for c in calls]}
+    print(json.dumps(reply, ensure_ascii=False, indent=2))
+    return result
+
+
 def _messages(args: argparse.Namespace, history: list[dict]) -> list[dict]:
     return ([{"role": "system", "content": args.system}] if args.system else []) + history
+
+
+def _tools(path: Path) -> list[dict]:
+    try:
+        tools = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BevyError(f"{path}: not a readable JSON list of tools ({exc})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BevyError(f"{path}: tools must be a JSON list of objects")
+    return tools
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from backend.models.generate import chat_prompt_ids, generate
 
     params = _sampling(args)
+    tools = _tools(args.tools) if args.tools is not None else None
     model = _load(args)
-    ids = chat_prompt_ids(model, _messages(args, [{"role": "user", "content": args.prompt}]))
-    result = generate(model, ids, params, on_text=lambda s: print(s, end="", flush=True))
-    print()
+    messages = _messages(args, [{"role": "user", "content": args.prompt}])
+    if tools is None:
+        ids = chat_prompt_ids(model, messages)
+        result = generate(model, ids, params, on_text=lambda s: print(s, end="", flush=True))
+        print()
+    else:
+        result = _generate_with_tools(model, messages, tools, params)
     if args.stats:
         print(
             f"[{result.prompt_tokens} prompt tokens, prefill {result.prefill_s:.2f} s; "

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backend.config import Grammar, SamplingParams
 from backend.messages import Finished
-from backend.text.tool_calls import ToolCall, call_grammar, tools_prompt
+from backend.text.tool_calls import ToolCall, call_grammar, lazy_call_grammar, tools_prompt
 
 # --- errors -----------------------------------------------------------------------------
 
@@ -144,7 +144,16 @@ class ChatCompletionRequest(_GenerationRequest):
                     "give response_format or a forced tool_choice, not both",
                     param="tool_choice",
                 )
-            grammar = Grammar("lark", call_grammar(forced, fmt))
+            try:
+                grammar = Grammar("lark", call_grammar(forced, fmt))
+            except ValueError as exc:
+                raise ApiError(400, f"{exc}; use tool_choice 'auto'", param="tool_choice") from None
+        elif grammar is None and self.uses_tools and fmt == "hermes":
+            # "auto" where a call has tags of its own: free text, but a call once begun must
+            # be a valid one. (The generic format's fence also opens plain JSON; Mistral's
+            # and Llama 3's calls are read, not held, for now.)
+            parallel = self.parallel_tool_calls is not False
+            grammar = Grammar("lark", lazy_call_grammar(self.tools, fmt, parallel))
         return self.sampling(
             self.max_completion_tokens
             if self.max_completion_tokens is not None

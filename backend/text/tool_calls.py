@@ -2,6 +2,10 @@
 
 - ``hermes`` (Hermes, Qwen 2.5/3 and their MoEs): ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>``, chosen when the chat template itself speaks of ``<tool_call>``;
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of calls with 9-character ids (Nemo,
+  Mixtral) or, newer, ``name[ARGS]{...}`` per call (``[CALL_ID]id`` optional);
+- ``llama3`` (Llama 3.x): the reply is one JSON object ``{"name": ..., "parameters":
+  {...}}``, optionally after ``<|python_tag|>``;
 - ``generic``, for templates with no tool syntax: the tools are described in the system
   prompt (``tools_prompt``) and a call is one JSON object in a fenced ``json`` block.
 
@@ -20,13 +24,32 @@ from dataclasses import dataclass, field
 
 from backend.text.grammar import JSON_LAYOUT
 
-FORMATS = ("hermes", "generic")
-_TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "generic": ("```json", "```")}
+FORMATS = ("hermes", "mistral", "llama3", "generic")
+# Opening and closing text of a call; None: the call runs to the end of the reply.
+_TAGS: dict[str, tuple[str, str | None]] = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]", None),
+    "llama3": ("<|python_tag|>", None),
+    "generic": ("```json", "```"),
+}
+_ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
 def detect_format(chat_template: str | None) -> str:
     """The tool-call format a chat template expects (as llama.cpp picks a chat format)."""
-    return "hermes" if chat_template and "<tool_call>" in chat_template else "generic"
+    t = chat_template or ""
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<tool_call>" in t:
+        return "hermes"
+    if "<|python_tag|>" in t or ("<|start_header_id|>" in t and '"parameters"' in t):
+        return "llama3"
+    return "generic"
+
+
+def mistral_id() -> str:
+    """A call id as Mistral's templates require: 9 letters and digits."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
 
 
 @dataclass(frozen=True)
@@ -36,7 +59,7 @@ class ToolCall:
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
     def text(self, fmt: str) -> str:
-        """The call as a model writing format ``fmt`` writes it."""
+        """The call as a model writing the ``generic`` format writes it."""
         opening, closing = _TAGS[fmt]
         body = json.dumps({"name": self.name, "arguments": json.loads(self.arguments)})
         return f"{opening}\n{body}\n{closing}"
@@ -50,18 +73,65 @@ class ToolCall:
         return body if index is None else {"index": index, **body}
 
 
-def _read_call(body: str) -> ToolCall | None:
-    """One call's JSON body, or None if it is not a call."""
-    try:
-        obj, end = json.JSONDecoder().raw_decode(body.strip())
-    except ValueError:
-        return None
-    if end != len(body.strip()) or not isinstance(obj, dict):
+def _json(text: str) -> object:
+    """The one JSON value ``text`` holds (whitespace aside); ValueError otherwise."""
+    s = text.strip()
+    obj, end = json.JSONDecoder().raw_decode(s)
+    if end != len(s):
+        raise ValueError("text after the JSON value")
+    return obj
+
+
+def _call(obj: object, make_id=None) -> ToolCall | None:
+    """A call from its JSON object ({"name", "arguments" or "parameters"}), or None."""
+    if not isinstance(obj, dict):
         return None
     name, args = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    arguments = json.dumps(args, ensure_ascii=False)
+    given = obj.get("id")
+    if isinstance(given, str) and given:
+        return ToolCall(name, arguments, given)
+    return ToolCall(name, arguments, make_id()) if make_id else ToolCall(name, arguments)
+
+
+def _read_call(body: str) -> ToolCall | None:
+    """One call's JSON body, or None if it is not a call."""
+    try:
+        return _call(_json(body))
+    except ValueError:
+        return None
+
+
+def _read_mistral(body: str) -> list[ToolCall] | None:
+    """What follows ``[TOOL_CALLS]``: a JSON list of calls, or ``name[ARGS]{...}`` calls
+    each after its own ``[TOOL_CALLS]``; None if it is neither."""
+    s = body.strip()
+    try:
+        if s.startswith("["):
+            items = _json(s)
+            calls = [_call(i, mistral_id) for i in items] if isinstance(items, list) else [None]
+        else:
+            calls = []
+            for part in s.split("[TOOL_CALLS]"):
+                head, sep, args = part.partition("[ARGS]")
+                name, _, given = head.partition("[CALL_ID]")
+                obj = {"name": name.strip(), "arguments": _json(args) if sep else None}
+                if given.strip():
+                    obj["id"] = given.strip()
+                calls.append(_call(obj, mistral_id))
+    except ValueError:
+        return None
+    return calls if calls and None not in calls else None
+
+
+def _read_tail(fmt: str, body: str) -> list[ToolCall] | None:
+    """Calls running to the end of the reply (formats without a closing tag)."""
+    if fmt == "mistral":
+        return _read_mistral(body)
+    call = _read_call(body)
+    return None if call is None else [call]
 
 
 def parse(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
@@ -79,15 +149,28 @@ class StreamParser:
     def __init__(self, fmt: str) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool-call format {fmt!r} (known: {', '.join(FORMATS)})")
+        self.fmt = fmt
         self.open, self.close = _TAGS[fmt]
         self._buf = ""
         self._inside = False
+        self._opened = ""  # the opening held with the call (llama3: none, or the tag)
+        self._start = True  # nothing but whitespace shown yet
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buf += text
         out: list[str] = []
         calls: list[ToolCall] = []
         while True:
+            if self._start and self.fmt == "llama3":
+                # Llama 3 answers a call with a bare JSON object: a reply that begins with
+                # "{" is held as one until it ends (leading blanks wait to see which).
+                if not self._buf.strip():
+                    break
+                self._start = False
+                if self._buf.lstrip().startswith("{"):
+                    self._inside, self._opened = True, ""
+            if self._inside and self.close is None:
+                break  # a call to the end of the reply: read in ``finish``
             if not self._inside:
                 at = self._buf.find(self.open)
                 if at < 0:
@@ -97,7 +180,9 @@ class StreamParser:
                     break
                 out.append(self._buf[:at])
                 self._buf = self._buf[at:]
-                self._inside = True
+                self._inside, self._opened = True, self.open
+                if self.close is None:
+                    break
             end = self._buf.find(self.close, len(self.open))
             if end < 0:
                 break
@@ -112,8 +197,14 @@ class StreamParser:
         return "".join(out), calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """The reply ended: what was held back is content (an unclosed call included)."""
-        rest, self._buf, self._inside = self._buf, "", False
+        """The reply ended: a call that runs to the end is read now; anything else held
+        back is content (an unclosed call included)."""
+        rest, inside = self._buf, self._inside
+        self._buf, self._inside = "", False
+        if inside and self.close is None:
+            calls = _read_tail(self.fmt, rest[len(self._opened) :])
+            if calls is not None:
+                return "", calls
         return rest, []
 
 
@@ -137,9 +228,9 @@ def tools_prompt(tools: list[dict]) -> str:
     )
 
 
-def call_grammar(tools: list[dict], fmt: str) -> str:
-    """Lark (llguidance) for one call of one of ``tools``, in format ``fmt``, with
-    arguments held to each tool's JSON schema."""
+def _call_schema(tools: list[dict], key: str = "arguments") -> dict:
+    """JSON schema of one call of one of ``tools``: its name and, under ``key``, its
+    arguments' schema."""
     choices = []
     for t in tools:
         fn = t.get("function", t)
@@ -148,17 +239,50 @@ def call_grammar(tools: list[dict], fmt: str) -> str:
                 "type": "object",
                 "properties": {
                     "name": {"const": fn["name"]},
-                    "arguments": fn.get("parameters") or {"type": "object"},
+                    key: fn.get("parameters") or {"type": "object"},
                 },
-                "required": ["name", "arguments"],
+                "required": ["name", key],
                 "additionalProperties": False,
             }
         )
     schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
-    schema = {**schema, "x-guidance": JSON_LAYOUT}
+    return {**schema, "x-guidance": JSON_LAYOUT}
+
+
+def call_grammar(tools: list[dict], fmt: str) -> str:
+    """Lark (llguidance) for exactly one call of one of ``tools`` in format ``fmt``
+    (hermes, llama3 or generic; Mistral's call opens with a special token, which this
+    grammar does not write yet)."""
+    if fmt == "llama3":
+        return f"%llguidance {{}}\nstart: %json {json.dumps(_call_schema(tools, 'parameters'))}\n"
+    if fmt == "mistral":
+        raise ValueError("forcing a call in Mistral's [TOOL_CALLS] format is not supported yet")
     opening, closing = _TAGS[fmt]
     return (
         "%llguidance {}\n"
         f"start: {json.dumps(opening + chr(10))} call {json.dumps(chr(10) + closing)}\n"
-        f"call: %json {json.dumps(schema)}\n"
+        f"call: %json {json.dumps(_call_schema(tools))}\n"
     )
+
+
+def lazy_call_grammar(tools: list[dict], fmt: str, parallel: bool = True) -> str:
+    """Lark for free text in which each call, once its opening tag is written, must be a
+    valid call of one of ``tools`` (a lazy grammar: the tag is its trigger). Text that
+    never opens a call is unconstrained and may end anywhere; with ``parallel`` False, at
+    most one call."""
+    opening, closing = _TAGS[fmt]
+    calls = "(text call)*" if parallel else "(text call)?"
+    return (
+        "%llguidance {}\n"
+        f"start: {calls} TAIL\n"
+        # Text up to the trigger, which ends it; the trigger's tokens stay in the reply.
+        f"text[stop={json.dumps(opening)}]: /(.|\\n)*/\n"
+        # Text to the end that never opens a call: the reply may stop anywhere in it.
+        f"TAIL: /(.|\\n)*/ & ~/(.|\\n)*{_regex_literal(opening)}(.|\\n)*/\n"
+        f"call: {json.dumps(chr(10))} %json {json.dumps(_call_schema(tools))} "
+        f"{json.dumps(chr(10) + closing)}\n"
+    )
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in r"\.^$|?*+()[]{}/" else c for c in text)

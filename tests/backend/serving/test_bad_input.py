@@ -194,3 +194,19 @@ def test_generate_json_schema(tiny_chat_moe: Path, tmp_path: Path) -> None:
     path.write_text("{not json")
     done = run_cli(*args, "x")
     assert_clean_error(done, path, "not a readable JSON schema")
+
+
+def test_generate_with_tools_prints_content_and_calls(tiny_chat_moe: Path, tmp_path: Path) -> None:
+    """`bevy generate --tools FILE`: JSON with the reply's content and its parsed calls (the
+    tiny random model rarely calls: the shape is checked, the parsing has its own tests);
+    a file that is not a list of tools is one clear line naming it."""
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(tools))
+    args = ("generate", "--model", str(tiny_chat_moe), "--tools", str(path))
+    done = run_cli(*args, "--max-tokens", "6", "List the files.")
+    assert done.returncode == 0, done.stderr
+    reply = json.loads(done.stdout)
+    assert set(reply) == {"content", "tool_calls"} and isinstance(reply["tool_calls"], list)
+    path.write_text('{"not": "a list"}')
+    assert_clean_error(run_cli(*args, "x"), path, "tools must be a JSON list")

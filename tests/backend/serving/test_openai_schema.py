@@ -97,4 +97,9 @@ def test_forced_calls_and_response_format_do_not_mix() -> None:
     with pytest.raises(ApiError, match="not both"):
         body.params("hermes")
     assert request(tool_choice="required").params("hermes").grammar.kind == "lark"
-    assert request().params("hermes").grammar is None  # auto: free text, parsed after
+    # auto: free text with calls held to their schema once begun (a lazy grammar), where
+    # the format has a call tag of its own; the generic fence is left free
+    assert "stop=" in request().params("hermes").grammar.source
+    assert request().params("generic").grammar is None
+    assert request(tool_choice="none").params("hermes").grammar is None
+    assert "(text call)?" in request(parallel_tool_calls=False).params("hermes").grammar.source

@@ -59,6 +59,36 @@ RECORDED = [
         [("get_weather", {"city": "Rome", "unit": "celsius"})],
     ),
     ("generic", '```json\n{"just": "data"}\n```', None, []),  # JSON, but not a call
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2c3d4e"},'
+        ' {"name": "noop", "arguments": {}}]',
+        "",
+        [("get_weather", {"city": "Paris"}), ("noop", {})],
+    ),
+    (
+        "mistral",
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]noop[CALL_ID]'
+        "Zz9Yy8Xx7[ARGS]{}",
+        "Checking.",
+        [("get_weather", {"city": "Lyon"}), ("noop", {})],
+    ),
+    ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}', None, []),  # cut short
+    ("mistral", "[TOOL_CALLS]get_weather{}", None, []),  # no [ARGS]
+    (
+        "llama3",
+        '  {"name": "get_weather", "parameters": {"city": "Turin"}}',
+        "",
+        [("get_weather", {"city": "Turin"})],
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Bari"}}',
+        "",
+        [("get_weather", {"city": "Bari"})],
+    ),
+    ("llama3", "It is {probably} sunny.", None, []),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Bari"}} and more', None, []),
 ]
 
 
@@ -97,7 +127,16 @@ def test_text_that_may_start_a_tag_is_held_back_until_it_cannot() -> None:
 
 def test_format_follows_the_template() -> None:
     assert detect_format("{% if tools %}<tool_call>{{ t }}</tool_call>{% endif %}") == "hermes"
+    assert detect_format("[AVAILABLE_TOOLS]{{ t }}[/AVAILABLE_TOOLS][TOOL_CALLS]") == "mistral"
+    assert detect_format("<|start_header_id|>ipython<|python_tag|>") == "llama3"
     assert detect_format("{{ messages }}") == "generic" and detect_format(None) == "generic"
+
+
+def test_mistral_ids_are_nine_letters_and_digits() -> None:
+    _, calls = parse('[TOOL_CALLS][{"name": "a", "arguments": {}}]', "mistral")
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+    _, calls = parse('[TOOL_CALLS][{"name": "a", "arguments": {}, "id": "abcDEF123"}]', "mistral")
+    assert calls[0].id == "abcDEF123"
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +145,16 @@ def tok(smollm2_gguf: Path) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(meta, smollm2_gguf)
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "generic", "llama3"])
 def test_the_call_grammar_admits_a_valid_call_only(tok: Tokenizer, fmt: str) -> None:
     other = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}
     spec = Grammar("lark", call_grammar([WEATHER, other], fmt))
-    opening, closing = ("<tool_call>", "</tool_call>") if fmt == "hermes" else ("```json", "```")
-    good = f'{opening}\n{{"name": "get_weather", "arguments": {{"city": "Oslo", "unit": "celsius"}}}}\n{closing}'
+    opening, closing = {
+        "hermes": ("<tool_call>\n", "\n</tool_call>"),
+        "generic": ("```json\n", "\n```"),
+    }.get(fmt, ("", ""))
+    key = "parameters" if fmt == "llama3" else "arguments"
+    good = f'{opening}{{"name": "get_weather", "{key}": {{"city": "Oslo", "unit": "celsius"}}}}{closing}'
     m = Matcher(tok, tok.vocab_size, spec)
     for t in tok.encode(good, add_special=False):
         assert m.allowed()[t], tok.decode([t])
@@ -119,7 +162,7 @@ def test_the_call_grammar_admits_a_valid_call_only(tok: Tokenizer, fmt: str) -> 
     assert m.accepting
     content, calls = parse(good, fmt)
     assert content == "" and calls[0].name == "get_weather"
-    bad = f'{opening}\n{{"name": "get_weather", "arguments": {{"town"'
+    bad = f'{opening}{{"name": "get_weather", "{key}": {{"town"'
     m = Matcher(tok, tok.vocab_size, spec)
     ids = tok.encode(bad, add_special=False)
     ok = True
@@ -129,3 +172,37 @@ def test_the_call_grammar_admits_a_valid_call_only(tok: Tokenizer, fmt: str) -> 
             break
         m.accept(t)
     assert not ok  # "town" is not one of the tool's arguments
+
+
+def _consume(m: Matcher, tok: Tokenizer, text: str) -> bool:
+    """Feed ``text``; False at the first token the grammar refuses."""
+    for t in tok.encode(text, add_special=False):
+        if not m.allowed()[t]:
+            return False
+        m.accept(t)
+    return True
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+
+
+def test_the_lazy_grammar_leaves_text_free_and_holds_calls_once_begun(tok: Tokenizer) -> None:
+    from backend.text.tool_calls import lazy_call_grammar
+
+    spec = Grammar("lark", lazy_call_grammar([WEATHER], "hermes"))
+    eos = next(iter(tok.eos_ids))
+    for text in ["No call needed here.", f"Checking. {CALL}", f"{CALL} and {CALL} done."]:
+        m = Matcher(tok, tok.vocab_size, spec)
+        assert _consume(m, tok, text), text
+        assert m.allowed()[eos], text  # the reply may end here
+    m = Matcher(tok, tok.vocab_size, spec)
+    assert not _consume(m, tok, 'Sure <tool_call>\n{"name": "rm", ')  # not a tool
+    single = Grammar("lark", lazy_call_grammar([WEATHER], "hermes", parallel=False))
+    m = Matcher(tok, tok.vocab_size, single)
+    assert _consume(m, tok, f"{CALL} then ")
+    assert not _consume(m, tok, CALL)  # a second call is refused
+
+
+def test_forcing_a_mistral_call_is_refused_not_faked() -> None:
+    with pytest.raises(ValueError, match="not supported yet"):
+        call_grammar([WEATHER], "mistral")
