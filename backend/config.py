@@ -114,8 +114,7 @@ class EngineConfig:
     # directly for few rows, else dequantizes on use with a small working set of decoded
     # experts) or "decoded" (weights dequantized once by the link as part of the fetch;
     # slots are then several times larger).
-    # "auto" is "stored": decoding on the link thread takes a core from compute, which
-    # was slower on the 2-core CPU it was tried on.
+    # "auto" is "stored": decoding on the link thread takes a core from compute.
     slot_format: str = "auto"
     metrics_interval_s: float = 0.1
     # How experts are computed: "auto" (chosen at start from the device, the slot format,

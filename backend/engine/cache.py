@@ -404,8 +404,9 @@ class Claims:
 
     A job claims the experts it needs next all at once or not at all (``claim``), so two
     jobs never wait on each other's pins; the claim then shrinks as experts are applied
-    (``release``). The request records what it holds (``Request.claim``; ``claimed``
-    while that is not empty); only this class changes either.
+    (``release``). The request records what it holds (``Request.claim``, and ``claimed``:
+    set by a claim, even of no experts, as a dense layer's job is; cleared when a release
+    leaves nothing); only this class changes either.
     """
 
     def __init__(self, cache: ExpertCache) -> None:

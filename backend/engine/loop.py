@@ -221,7 +221,7 @@ class Engine:
 
     def step(self, block: bool = False) -> bool:
         """One iteration: schedule -> run -> postprocess. Returns whether a job ran (a
-        split run, ``_split``, does not count: no request moved on)."""
+        split run, ``scheduler.split``, does not count: no request moved on)."""
         self._drain(block=False)
         self._admit()
         group = self._schedule()
@@ -457,7 +457,11 @@ class Engine:
     def _postprocess(self, r: Request, logits: torch.Tensor) -> bool:
         """Sample, stream, check stops. Returns whether the request goes on."""
         tok = self.model.tokenizer
-        allowed = r.grammar.allowed() if r.grammar is not None else None
+        allowed = None
+        if r.grammar is not None and (allowed := r.grammar.allowed()) is None:
+            self._emit(ErrorEvent(r.id, f"constrained decoding failed: {r.grammar.error}"))
+            self._finish(r, "error")
+            return False
         nxt = sample(logits, r.params, r.generator, r.prompt_ids + r.out_ids, allowed)
         if tok is not None and nxt in tok.eos_ids and not r.params.ignore_eos:
             self._finish(r, "stop")

@@ -93,7 +93,9 @@ def generate(
     finish = "length"
     pos = len(prompt_ids)
     while True:
-        allowed = grammar.allowed() if grammar is not None else None
+        allowed = None
+        if grammar is not None and (allowed := grammar.allowed()) is None:
+            raise BevyError(f"constrained decoding failed: {grammar.error}")
         nxt = sample(logits, params, gen, prompt_ids + out_ids, allowed)
         if nxt in eos and not params.ignore_eos:
             finish = "stop"
@@ -117,6 +119,8 @@ def generate(
             torch.tensor([nxt], device=t.device), [SeqSlice(kv, pos, 1)], get_expert
         )[0]
         pos += 1
+    if grammar is not None:
+        grammar.close()
     if decoder is not None and not stops.stopped:
         tail = stops.feed(decoder.flush()) + stops.flush()
         if tail:

@@ -234,7 +234,7 @@ def _generate_with_tools(model, messages: list[dict], tools: list[dict], params)
         ids = chat_prompt_ids(model, body.chat_messages(fmt), body.chat_tools(fmt))
     except ApiError as exc:
         raise BevyError(exc.message) from None
-    result = generate(model, ids, replace(params, grammar=params.grammar or grammar))
+    result = generate(model, ids, replace(params, grammar=grammar))
     content, calls = parse(result.text, fmt)
     reply = {"content": content, "tool_calls": [c.openai() for c in calls]}
     print(json.dumps(reply, ensure_ascii=False, indent=2))
@@ -259,6 +259,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from backend.models.generate import chat_prompt_ids, generate
 
     params = _sampling(args)
+    if args.tools is not None and params.grammar is not None:
+        raise BevyError("give --tools or --json-schema, not both")
     tools = _tools(args.tools) if args.tools is not None else None
     model = _load(args)
     messages = _messages(args, [{"role": "user", "content": args.prompt}])

@@ -135,6 +135,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def params(self, fmt: str) -> SamplingParams:
         """Sampling settings; ``fmt``: the model's tool-call format (``detect_format``)."""
         self.check_supported()
+        self.check_tools()
         grammar = self.grammar()
         forced = self.forced_tools()
         if forced is not None:
@@ -160,6 +161,31 @@ class ChatCompletionRequest(_GenerationRequest):
             else self.max_tokens,
             grammar,
         )
+
+    def check_tools(self) -> None:
+        """``tools`` and ``tool_choice`` in OpenAI's shapes, or a 400 naming the bad one."""
+        for i, t in enumerate(self.tools or ()):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+                raise ApiError(
+                    400,
+                    f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                    '"parameters": {...}}}',
+                    param=f"tools.{i}",
+                )
+            if not isinstance(fn.get("parameters", {}), dict):
+                raise ApiError(
+                    400,
+                    f"tools[{i}].function.parameters must be a JSON schema object",
+                    param=f"tools.{i}",
+                )
+        choice = self.tool_choice
+        if isinstance(choice, dict) and not isinstance(choice.get("function"), dict):
+            raise ApiError(
+                400,
+                'tool_choice must be {"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
 
     @property
     def uses_tools(self) -> bool:
@@ -224,16 +250,32 @@ class ChatCompletionRequest(_GenerationRequest):
         missing content, tool-call arguments as objects; for the ``generic`` format,
         earlier calls written back as the model writes them and the tools described in
         the system prompt."""
+        self.check_tools()
         out = [dict(m) for m in self._plain_messages()]
-        for m in out:
+        for i, m in enumerate(out):
             if m.get("content") is None:
                 m["content"] = ""
+            if fmt == "generic" and m["role"] == "tool":
+                # Templates without tool syntax know no "tool" role: the result comes back
+                # as the user's turn, labelled.
+                m = out[i] = {"role": "user", "content": f"Tool result: {m['content']}"}
             calls = m.get("tool_calls")
             if m["role"] != "assistant" or not calls:
                 continue
+            if not isinstance(calls, list):
+                raise ApiError(
+                    400, f"messages[{i}].tool_calls must be a list", param=f"messages.{i}"
+                )
             parsed = []
             for j, c in enumerate(calls):
-                fn = (c or {}).get("function") or {}
+                if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].tool_calls[{j}] must be "
+                        '{"id": ..., "type": "function", "function": {"name": ..., "arguments": ...}}',
+                        param=f"messages.{i}",
+                    )
+                fn = c["function"]
                 args = fn.get("arguments", "{}")
                 try:
                     args = json.loads(args) if isinstance(args, str) else args
@@ -246,12 +288,11 @@ class ChatCompletionRequest(_GenerationRequest):
                 parsed.append({**c, "function": {"name": fn.get("name", ""), "arguments": args}})
             m["tool_calls"] = parsed
             if fmt == "generic":
-                m["content"] += "".join(
-                    ToolCall(c["function"]["name"], json.dumps(c["function"]["arguments"])).text(
-                        fmt
-                    )
+                written = (
+                    ToolCall(c["function"]["name"], json.dumps(c["function"]["arguments"])).text()
                     for c in parsed
                 )
+                m["content"] = "\n".join([m["content"], *written]).lstrip("\n")
                 del m["tool_calls"]
         if fmt == "generic" and self.uses_tools:
             prompt = tools_prompt(self.tools)

@@ -96,16 +96,25 @@ class Matcher:
     def _start(self) -> None:
         self._next = _worker().submit(self._fill)
 
-    def allowed(self) -> torch.Tensor:
-        """Bool [vocab_size]: the tokens that may come next."""
+    def allowed(self) -> torch.Tensor | None:
+        """Bool [vocab_size]: the tokens that may come next; None if the matcher failed
+        (a grammar too complex for its limits) or admits no token at all (``error``)."""
         t0 = time.perf_counter()
         if self._next is not None:
             self._next.result()
             self._next = None
         self.wait_s += time.perf_counter() - t0
         self.steps += 1
-        bits = (self._words[:, None] >> _BITS) & 1
-        return bits.flatten()[: self.vocab_size].bool()
+        mask = ((self._words[:, None] >> _BITS) & 1).flatten()[: self.vocab_size].bool()
+        if self._m.is_error() or not mask.any():
+            self._done = True
+            return None
+        return mask
+
+    @property
+    def error(self) -> str:
+        """Why the grammar cannot go on (after ``allowed`` returned None)."""
+        return self._m.get_error() or "the grammar admits no token of this model here"
 
     def accept(self, token: int) -> bool:
         """Consume ``token``; False if the grammar refused it (it then admits nothing)."""

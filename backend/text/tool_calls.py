@@ -55,12 +55,12 @@ def mistral_id() -> str:
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # the arguments object as JSON text, as the model wrote it
+    arguments: str  # the arguments object as JSON text (json.dumps of what the model wrote)
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
-    def text(self, fmt: str) -> str:
+    def text(self) -> str:
         """The call as a model writing the ``generic`` format writes it."""
-        opening, closing = _TAGS[fmt]
+        opening, closing = _TAGS["generic"]
         body = json.dumps({"name": self.name, "arguments": json.loads(self.arguments)})
         return f"{opening}\n{body}\n{closing}"
 

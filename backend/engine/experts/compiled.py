@@ -20,6 +20,7 @@ class CompiledExperts(EagerExperts):
         if x.shape[0] > qmatmul.MAX_ROWS:
             return super().mlp(layer, e, x)
         out = qmatmul.compiled_mlp(self.stored_parts(layer, e), x)
-        if out is None:
-            raise RuntimeError(f"compiled expert graph failed for expert {(layer, e)}")
+        if out is None:  # a graph that failed at run time (logged by qmatmul)
+            self.refused(f"expert {(layer, e)}")
+            return super().mlp(layer, e, x)
         return out

@@ -11,6 +11,7 @@ Legend: R rows in the run, D hidden, K top-k.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -24,6 +25,8 @@ from backend.models.weights import ExpertRef, ExpertWeights, dequantize_slot
 # Routes (row, expert) gathered and multiplied per batch in ``moe``: a decoding run
 # (16 requests x top-8) is one batch; a long prompt takes several.
 ROUTES_PER_BATCH = 2048
+
+log = logging.getLogger(__name__)
 
 Part = tuple[torch.Tensor, object, tuple[int, int]]  # (raw bytes, qtype, shape)
 
@@ -49,6 +52,15 @@ class EagerExperts:
         self.layouts = layouts
         self.working_set = working_set
         self._decoded: OrderedDict[tuple[int, int], tuple[int, int, ExpertWeights]] = OrderedDict()
+        self.n_refused = 0  # products the backend's kernels refused, computed eagerly
+
+    def refused(self, what: str) -> None:
+        """The chosen kernels refused ``what`` although the start-up checks let them run:
+        that product is computed eagerly (the same result, slower), warned about once,
+        rather than failing the engine for every request."""
+        if not self.n_refused:
+            log.warning("%s expert backend refused %s; computing it eagerly", self.name, what)
+        self.n_refused += 1
 
     # --- one expert ---------------------------------------------------------------------
 

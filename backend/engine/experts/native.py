@@ -31,8 +31,9 @@ class NativeExperts(EagerExperts):
         if x.shape[0] > qmatmul.MAX_ROWS:
             return super().mlp(layer, e, x)
         out = native.expert_mlp(self.stored_parts(layer, e), x)
-        if out is None:
-            raise RuntimeError(f"native expert kernel refused expert {(layer, e)}")
+        if out is None:  # the start-up checks should make this impossible
+            self.refused(f"expert {(layer, e)}")
+            return super().mlp(layer, e, x)
         return out
 
     def moe(
@@ -50,7 +51,7 @@ class NativeExperts(EagerExperts):
                 return y
         return super().moe(layer, members, subsets, n_whole, x, w)
 
-    def _bits(self, key: tuple[int, int], at: tuple) -> int:
+    def _bits(self, key: tuple[int, int], at: tuple) -> int | None:
         kind = self._kinds.get(key)
         if kind is None or kind[0] != at:
             parts = self.experts[key[0]][key[1]].parts
@@ -59,7 +60,7 @@ class NativeExperts(EagerExperts):
             if bits is None or any(
                 o < 0 or o + p.nbytes > width for o, p in zip(at, parts, strict=True)
             ):
-                raise RuntimeError(f"expert {key} does not fit the native kernels")
+                return None
             kind = self._kinds[key] = (at, bits)
         return kind[1]
 
@@ -95,7 +96,11 @@ class NativeExperts(EagerExperts):
             rs = by_expert[e]
             key = (layer, e)
             at = self.layouts[key]
-            types.append(self._bits(key, at))
+            bits = self._bits(key, at)
+            if bits is None:
+                self.refused(f"expert {key}'s layout")
+                return None
+            types.append(bits)
             row = base + self.cache.slot_of[key] * stride
             weights += (row + at[0], row + at[1], row + at[2])
             counts.append(len(rs))
@@ -103,7 +108,8 @@ class NativeExperts(EagerExperts):
         whole_rows = sum(r.n for r in members[:n_whole])
         done = native.moe(weights, types, counts, routes, x, w, inner, hidden, whole_rows)
         if done is None:
-            raise RuntimeError("native MoE kernel refused a run it was chosen for")
+            self.refused("a whole-layer run")
+            return None
         y, parts = done
         if n_whole < len(members):  # one row each: route i is row i // k
             j = 0

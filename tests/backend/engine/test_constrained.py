@@ -94,3 +94,37 @@ def test_a_bad_grammar_fails_its_request_alone(model) -> None:
     errors = [e for e in events if isinstance(e, ErrorEvent)]
     assert [e.request_id for e in errors] == ["bad"] and "invalid json_schema" in errors[0].message
     assert any(isinstance(e, Finished) and e.request_id == "ok" for e in events)
+
+
+def test_a_grammar_that_fails_mid_reply_fails_its_request_alone(model, monkeypatch) -> None:
+    """llguidance can stop a matcher mid-reply (a grammar past its limits): that request
+    ends with an error; the others finish and no pin is left. (The failure is scripted at
+    the library boundary: no small grammar reaches those limits.)"""
+    from backend.text.grammar import Matcher
+
+    real = Matcher.allowed
+    calls = [0]
+
+    def failing(self):
+        calls[0] += 1
+        return None if calls[0] > 2 else real(self)
+
+    monkeypatch.setattr(Matcher, "allowed", failing)
+    monkeypatch.setattr(Matcher, "error", property(lambda self: "too complex"))
+    eng = Engine(model, EngineConfig(cache="0.5", storage="host"))
+    try:
+        params = SamplingParams(
+            max_tokens=20, grammar=Grammar("json_schema", json.dumps(SCHEMAS[0]))
+        )
+        eng.submit(Submit("json", params, prompt_ids=[1, 2, 3]))
+        eng.submit(Submit("free", SamplingParams(temperature=0, max_tokens=4), prompt_ids=[5]))
+        eng.run_until_idle(60)
+        events = drain(eng)
+        assert sum(eng.cache.refs) == 0
+    finally:
+        eng.close()
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    assert [(e.request_id, e.message) for e in errors] == [
+        ("json", "constrained decoding failed: too complex")
+    ]
+    assert any(isinstance(e, Finished) and e.request_id == "free" for e in events)

@@ -440,6 +440,12 @@ def test_an_expert_backend_that_cannot_run_is_an_error(models) -> None:
         Engine(q8, EngineConfig(expert_backend="grouped", slot_format="decoded"))
     with pytest.raises(BevyError, match="turned off"):
         Engine(models["mixtral-q4-gguf"], EngineConfig(expert_backend="native", native=False))
+    from backend.engine.experts import why_not
+
+    q4 = models["mixtral-q4-gguf"]
+    stored = torch.empty((1, 1), dtype=torch.uint8)
+    assert "float32" in why_not("native", q4.experts, stored, torch.float64)
+    assert "float32" in why_not("compiled", q4.experts, stored, torch.bfloat16)
     auto = Engine(q8, EngineConfig(slot_format="decoded"))
     try:
         assert auto.expert_backend == "eager"  # decoded weights: nothing else reads them

@@ -75,6 +75,12 @@ def test_generic_templates_get_the_tools_and_calls_as_text() -> None:
     assert "tool_calls" not in messages[2]
     content, calls = parse(messages[2]["content"], "generic")
     assert content == "" and calls[0].name == "get_weather"
+    # no tool role in such templates: the result is the user's turn, labelled
+    assert messages[3] == {"role": "user", "content": 'Tool result: {"temp": 21}'}
+    with_text = ChatCompletionRequest(
+        messages=[{**ROUND_TRIP[2], "content": "Checking."}], tools=[TOOL]
+    ).chat_messages("generic")
+    assert with_text[1]["content"].startswith("Checking.\n```json\n")
     none = request(tool_choice="none")
     assert none.chat_messages("generic")[0]["content"] == "Be brief."  # tools hidden
 
@@ -103,3 +109,29 @@ def test_forced_calls_and_response_format_do_not_mix() -> None:
     assert request().params("generic").grammar is None
     assert request(tool_choice="none").params("hermes").grammar is None
     assert "(text call)?" in request(parallel_tool_calls=False).params("hermes").grammar.source
+
+
+@pytest.mark.parametrize(
+    "tools, choice, messages, param",
+    [
+        ([{"type": "function", "function": {"parameters": {}}}], None, None, "tools.0"),
+        ([{"type": "function", "function": "get_weather"}], None, None, "tools.0"),
+        ([{"type": "function", "function": {"name": "f", "parameters": 3}}], None, None, "tools.0"),
+        ([TOOL], {"type": "function", "function": "get_weather"}, None, "tool_choice"),
+        (
+            [TOOL],
+            None,
+            [{"role": "assistant", "content": None, "tool_calls": [None]}],
+            "messages.0",
+        ),
+        ([TOOL], None, [{"role": "assistant", "tool_calls": "call"}], "messages.0"),
+    ],
+)
+def test_malformed_tools_are_400s_naming_the_field(tools, choice, messages, param) -> None:
+    body = ChatCompletionRequest(
+        messages=messages or [{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice
+    )
+    with pytest.raises(ApiError) as exc:
+        body.params("hermes")
+        body.chat_messages("generic")
+    assert exc.value.status == 400 and exc.value.param == param
