@@ -309,20 +309,45 @@ class ApiServer:
         self, call: _Call, with_usage: bool, tool_format: str | None = None
     ) -> AsyncIterator[dict]:
         """The reply as chunks; with ``tool_format``, calls come out as ``delta.tool_calls``
-        (each whole, when it closes) and the text around them as content."""
+        as OpenAI sends them (the id and name once, then argument fragments; a call not
+        written name first comes whole when it closes), the text around them as content."""
         name, created = self.service.model_name, int(time.time())
         reader = StreamParser(tool_format) if tool_format else None
         n_calls = 0
+        sent: tuple[str, str] | None = None  # the call streaming now: (id, arguments sent)
 
         def chunk(delta: dict | None, **kw) -> dict:
             return chat_chunk(call.rid, name, created, delta, with_usage=with_usage, **kw)
 
+        def args_delta(arguments: str) -> dict:
+            return chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": arguments}}]})
+
         def deltas(text: str, calls: list) -> list[dict]:
-            nonlocal n_calls
+            nonlocal n_calls, sent
             out = [chunk({"content": text})] if text else []
             for c in calls:
-                out.append(chunk({"tool_calls": [c.openai(index=n_calls)]}))
-                n_calls += 1
+                if sent is not None and sent[0] == c.id:  # finish what streamed
+                    if len(c.arguments) > len(sent[1]):
+                        out.append(args_delta(c.arguments[len(sent[1]) :]))
+                else:
+                    out.append(chunk({"tool_calls": [c.openai(index=n_calls)]}))
+                n_calls, sent = n_calls + 1, None
+            part = reader.partial()
+            if sent is not None and (part is None or part[0] != sent[0]):
+                # It closed as no call (malformed): what streamed cannot be taken back, so
+                # the next call takes the next index.
+                n_calls, sent = n_calls + 1, None
+            if part is not None:
+                cid, fn, arguments = part
+                if sent is None:
+                    head = {"index": n_calls, "id": cid, "type": "function"}
+                    out.append(
+                        chunk({"tool_calls": [{**head, "function": {"name": fn, "arguments": ""}}]})
+                    )
+                    sent = (cid, "")
+                if len(arguments) > len(sent[1]):
+                    out.append(args_delta(arguments[len(sent[1]) :]))
+                    sent = (cid, arguments)
             return out
 
         yield chunk({"role": "assistant", "content": ""})

@@ -19,6 +19,7 @@ Lark grammar that forces a call (``tool_choice`` "required" or a named tool).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -33,6 +34,9 @@ _TAGS: dict[str, tuple[str, str | None]] = {
     "generic": ("```json", "```"),
 }
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+# A call's body as models write it, name first: once this much is in, the name is known
+# and the arguments can stream (``StreamParser.partial``).
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
 def detect_format(chat_template: str | None) -> str:
@@ -55,7 +59,9 @@ def mistral_id() -> str:
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # the arguments object as JSON text (json.dumps of what the model wrote)
+    # The arguments object as JSON text: as the model wrote it for a name-first body (the
+    # text that streamed), else re-serialised.
+    arguments: str
     id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
 
     def text(self) -> str:
@@ -144,7 +150,8 @@ def parse(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
 
 class StreamParser:
     """Reads a reply piece by piece: ``feed`` and ``finish`` return (content to show now,
-    calls completed now)."""
+    calls completed now); ``partial`` is the call being written, for streaming its name
+    and arguments before it closes."""
 
     def __init__(self, fmt: str) -> None:
         if fmt not in FORMATS:
@@ -155,6 +162,7 @@ class StreamParser:
         self._inside = False
         self._opened = ""  # the opening held with the call (llama3: none, or the tag)
         self._start = True  # nothing but whitespace shown yet
+        self._id: str | None = None  # the call being written, once ``partial`` named it
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buf += text
@@ -187,7 +195,7 @@ class StreamParser:
             if end < 0:
                 break
             raw = self._buf[: end + len(self.close)]
-            call = _read_call(self._buf[len(self.open) : end])
+            call = self._closed_call(self._buf[len(self.open) : end])
             if call is None:
                 out.append(raw)  # not a call after all: the text stays
             else:
@@ -195,6 +203,41 @@ class StreamParser:
             self._buf = self._buf[end + len(self.close) :]
             self._inside = False
         return "".join(out), calls
+
+    def partial(self) -> tuple[str, str, str] | None:
+        """The call being written, as (id, name, arguments so far), once its name is in;
+        the arguments are a prefix of the ones the call closes with (whatever could
+        still be the end of the body is held back). None outside a call, or for a call
+        that is not written name first (it comes whole when it closes)."""
+        if not self._inside or self.close is None:
+            return None
+        body = self._buf[len(self.open) :]
+        m = _NAME_FIRST.match(body)
+        if m is None:
+            return None
+        args = body[m.end() :]
+        args = args[: len(args) - _partial_suffix(args, self.close)].rstrip(" \t\r\n}")
+        if self._id is None:
+            self._id = ToolCall("", "").id
+        return self._id, json.loads(f'"{m.group(1)}"'), args
+
+    def _closed_call(self, body: str) -> ToolCall | None:
+        """The call whose body just closed: arguments as written for a name-first body
+        (the ``partial`` id with them), else as ``_read_call`` reads it."""
+        given, self._id = self._id, None
+        m = _NAME_FIRST.match(body)
+        if m is not None:
+            rest = body[m.end() :].rstrip()
+            if rest.endswith("}"):
+                args = rest[:-1].rstrip()
+                try:
+                    ok = isinstance(_json(args), dict)
+                except ValueError:
+                    ok = False
+                if ok:
+                    name = json.loads(f'"{m.group(1)}"')
+                    return ToolCall(name, args, given) if given else ToolCall(name, args)
+        return _read_call(body)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The reply ended: a call that runs to the end is read now; anything else held

@@ -493,16 +493,24 @@ def test_streamed_tool_call_deltas_reassemble_to_the_call(client: openai.OpenAI)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     calls: dict[int, dict] = {}
     finish = None
+    pieces = 0
     for chunk in client.chat.completions.create(**kw, stream=True):
         if not chunk.choices:
             continue
         delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
         for tc in delta.tool_calls or []:
+            pieces += 1
             c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            if tc.id:  # the id and name come once, with the call's first delta
+                assert "id" not in c and c["name"] == "" and tc.function.name
+                c["id"] = tc.id
             c["name"] += tc.function.name or ""
             c["arguments"] += tc.function.arguments or ""
     assert finish == "tool_calls"
-    assert calls == {0: {"name": whole.function.name, "arguments": whole.function.arguments}}
+    assert pieces > 2  # the arguments streamed in fragments, not in one piece
+    assert {i: (c["name"], c["arguments"]) for i, c in calls.items()} == {
+        0: (whole.function.name, whole.function.arguments)
+    }
 
 
 def test_a_named_tool_choice_calls_that_tool(client: openai.OpenAI) -> None:

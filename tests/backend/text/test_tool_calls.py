@@ -206,3 +206,36 @@ def test_the_lazy_grammar_leaves_text_free_and_holds_calls_once_begun(tok: Token
 def test_forcing_a_mistral_call_is_refused_not_faked() -> None:
     with pytest.raises(ValueError, match="not supported yet"):
         call_grammar([WEATHER], "mistral")
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "generic"])
+def test_a_call_streams_its_name_then_arguments_that_add_up_to_the_call(fmt: str) -> None:
+    opening, closing = ("<tool_call>", "</tool_call>") if fmt == "hermes" else ("```json", "```")
+    reply = (
+        f'Looking. {opening}\n{{"name": "get_weather", "arguments": {{"city": "Oslo", '
+        f'"when": {{"day": "mon", "hours": [9, 12]}}}}}}\n{closing} Done.'
+    )
+    p = StreamParser(fmt)
+    seen: list[tuple[str, str, str]] = []
+    calls = []
+    for ch in reply:  # one character at a time, as the worst case of tokens
+        calls += p.feed(ch)[1]
+        if (part := p.partial()) is not None:
+            seen.append(part)
+    calls += p.finish()[1]
+    (call,) = calls
+    assert seen and {(i, n) for i, n, _ in seen} == {(call.id, "get_weather")}
+    fragments = [a for _, _, a in seen]
+    assert all(b.startswith(a) for a, b in zip(fragments, fragments[1:], strict=False))
+    assert call.arguments.startswith(fragments[-1])
+    assert json.loads(call.arguments) == {"city": "Oslo", "when": {"day": "mon", "hours": [9, 12]}}
+    # the whole reply parses to the same arguments text, as the model wrote it
+    assert parse(reply, fmt)[1][0].arguments == call.arguments
+
+
+def test_a_body_not_written_name_first_comes_whole() -> None:
+    p = StreamParser("hermes")
+    p.feed('<tool_call>\n{"arguments": {"a": 1}, "name": "f"}')
+    assert p.partial() is None
+    _, calls = p.feed("\n</tool_call>")
+    assert calls[0].name == "f" and json.loads(calls[0].arguments) == {"a": 1}
