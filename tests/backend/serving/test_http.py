@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers.tools import CLOCK, WEATHER
+
 ROOT = Path(__file__).resolve().parents[3]
 KEY = "test-key"
 MODEL = "tiny-moe"  # the name of the tiny_chat_moe folder
@@ -416,36 +418,6 @@ def test_json_object_and_completion_grammars(client: openai.OpenAI, server: str)
         headers={"Authorization": f"Bearer {KEY}"},
     )
     assert r.status_code == 400 and "invalid gbnf grammar" in r.json()["error"]["message"]
-
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 16},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 def test_weather_tool_round_trip(client: openai.OpenAI) -> None:

@@ -13,23 +13,7 @@ from backend.config import Grammar
 from backend.text.grammar import Matcher
 from backend.text.tokenizer import Tokenizer
 from backend.text.tool_calls import StreamParser, call_grammar, detect_format, parse
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 20},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+from tests.helpers.tools import WEATHER
 
 # (format, reply, expected content, expected calls as (name, arguments object))
 RECORDED = [
