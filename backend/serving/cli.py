@@ -225,12 +225,13 @@ def _generate_with_tools(model, messages: list[dict], tools: list[dict], params)
 
     from backend.models.generate import chat_prompt_ids, generate
     from backend.serving.openai_schema import ApiError, ChatCompletionRequest
-    from backend.text.tool_calls import detect_format, parse
+    from backend.text.tool_calls import parse, tool_syntax
 
-    fmt = detect_format(model.tokenizer.chat_template)
+    syntax = tool_syntax(model.tokenizer.chat_template, model.tokenizer.special_id)
+    fmt = syntax.fmt
     body = ChatCompletionRequest(messages=messages, tools=tools)
     try:
-        grammar = body.params(fmt).grammar
+        grammar = body.params(syntax).grammar
         ids = chat_prompt_ids(model, body.chat_messages(fmt), body.chat_tools(fmt))
     except ApiError as exc:
         raise BevyError(exc.message) from None

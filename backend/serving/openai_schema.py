@@ -15,7 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backend.config import Grammar, SamplingParams
 from backend.messages import Finished
-from backend.text.tool_calls import ToolCall, call_grammar, lazy_call_grammar, tools_prompt
+from backend.text.tool_calls import (
+    Syntax,
+    ToolCall,
+    call_grammar,
+    lazy_call_grammar,
+    tools_prompt,
+)
 
 # --- errors -----------------------------------------------------------------------------
 
@@ -132,8 +138,8 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
-    def params(self, fmt: str) -> SamplingParams:
-        """Sampling settings; ``fmt``: the model's tool-call format (``detect_format``)."""
+    def params(self, syntax: Syntax) -> SamplingParams:
+        """Sampling settings; ``syntax``: how the model writes calls (``tool_syntax``)."""
         self.check_supported()
         self.check_tools()
         grammar = self.grammar()
@@ -145,16 +151,13 @@ class ChatCompletionRequest(_GenerationRequest):
                     "give response_format or a forced tool_choice, not both",
                     param="tool_choice",
                 )
-            try:
-                grammar = Grammar("lark", call_grammar(forced, fmt))
-            except ValueError as exc:
-                raise ApiError(400, f"{exc}; use tool_choice 'auto'", param="tool_choice") from None
-        elif grammar is None and self.uses_tools and fmt == "hermes":
-            # "auto" where a call has tags of its own: free text, but a call once begun must
-            # be a valid one. (The generic format's fence also opens plain JSON; Mistral's
-            # and Llama 3's calls are read, not held, for now.)
+            grammar = Grammar("lark", call_grammar(forced, syntax))
+        elif grammar is None and self.uses_tools and syntax.fmt in ("hermes", "mistral"):
+            # "auto" where a call opens with a tag of its own: free text, but a call once
+            # begun must be a valid one. (The generic format's fence also opens plain JSON,
+            # and Llama 3 writes a call as a bare JSON object: those are read, not held.)
             parallel = self.parallel_tool_calls is not False
-            grammar = Grammar("lark", lazy_call_grammar(self.tools, fmt, parallel))
+            grammar = Grammar("lark", lazy_call_grammar(self.tools, syntax, parallel))
         return self.sampling(
             self.max_completion_tokens
             if self.max_completion_tokens is not None

@@ -40,7 +40,7 @@ from backend.serving.openai_schema import (
     validation_error,
 )
 from backend.serving.service import EngineService
-from backend.text.tool_calls import StreamParser, detect_format, parse
+from backend.text.tool_calls import StreamParser, parse, tool_syntax
 
 _Body = TypeVar("_Body", bound=BaseModel)
 
@@ -152,8 +152,10 @@ class ApiServer:
         async def chat(request: Request) -> Response:
             body = await _parse(request, ChatCompletionRequest)
             self._check_model(body.model)
-            fmt = detect_format(self.service.model.tokenizer.chat_template)
-            params = body.params(fmt)
+            tok = self.service.model.tokenizer
+            syntax = tool_syntax(tok.chat_template, tok.special_id)
+            fmt = syntax.fmt
+            params = body.params(syntax)
             messages, tools = body.chat_messages(fmt), body.chat_tools(fmt)
             call = await self._start("chatcmpl", params, lambda: self._chat_ids(messages, tools))
             reader = fmt if body.uses_tools else None

@@ -21,6 +21,7 @@ from backend.engine.loop import Engine
 from backend.errors import BevyError
 from backend.messages import Abort, ErrorEvent, Event, Finished, MetricsSnapshot, Submit
 from backend.models.loader import LoadedModel, Progress, load_model
+from backend.text import grammar
 
 Listener = Callable[[Event], None]
 MetricsListener = Callable[[MetricsSnapshot], None]
@@ -75,7 +76,9 @@ class EngineService:
     def open(
         cls, path: str | Path, config: EngineConfig, progress: Progress | None = None
     ) -> EngineService:
-        return cls(open_model(path, config.device, progress), config)
+        model = open_model(path, config.device, progress)
+        grammar.prepare(model.tokenizer, model.config.vocab_size)
+        return cls(model, config)
 
     # --- requests -----------------------------------------------------------------------
 

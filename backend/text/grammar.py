@@ -45,6 +45,12 @@ def _ll_tokenizer(tok: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
         return built[vocab_size]
 
 
+def prepare(tok: Tokenizer, vocab_size: int) -> None:
+    """Build llguidance's view of the tokenizer now (~0.2 s, holding the GIL), when a
+    model loads, rather than in the engine's loop when the first grammar arrives."""
+    _ll_tokenizer(tok, vocab_size)
+
+
 def _worker() -> ThreadPoolExecutor:
     global _executor
     with _lock:

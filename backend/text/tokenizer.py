@@ -309,6 +309,13 @@ class Tokenizer:
         """The id of a token's vocabulary spelling, or None."""
         return self.backend.token_to_id(token)
 
+    def special_id(self, text: str) -> int | None:
+        """The id of the special (control) token spelled ``text``, or None if ``text`` is
+        not one: such a token is written only by its id, never by the bytes of its text."""
+        i = self.backend.token_to_id(text)
+        added = self.backend.get_added_tokens_decoder().get(i) if i is not None else None
+        return i if added is not None and added.special else None
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary spelling of an id, or None when out of range."""
         return self.backend.id_to_token(token_id)

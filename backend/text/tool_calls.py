@@ -13,7 +13,9 @@
 through at once except what could still be the start of a call, and giving each call when
 it closes. Output that looks like a call but is not one (an unclosed tag, invalid JSON, no
 name) stays plain content: a reply is never lost to a parse error. ``call_grammar`` is the
-Lark grammar that forces a call (``tool_choice`` "required" or a named tool).
+Lark grammar that forces a call (``tool_choice`` "required" or a named tool), and
+``lazy_call_grammar`` the one that leaves text free but holds a call once it opens; both
+follow the model's ``Syntax`` (``tool_syntax``), whose tags may be special tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from backend.text.grammar import JSON_LAYOUT
@@ -54,6 +57,34 @@ def detect_format(chat_template: str | None) -> str:
 def mistral_id() -> str:
     """A call id as Mistral's templates require: 9 letters and digits."""
     return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """How one model writes tool calls: its format; ``special``, the tags its tokenizer
+    holds as single special tokens (tag -> id), which a grammar must name by id, as the
+    bytes of their text are a different token sequence; ``named``, Mistral calls written
+    ``name[ARGS]{...}`` rather than as a JSON list."""
+
+    fmt: str
+    special: Mapping[str, int] = field(default_factory=dict)
+    named: bool = False
+
+    def literal(self, text: str) -> str:
+        """``text`` as an item of a Lark grammar: its special token, else the string."""
+        i = self.special.get(text)
+        return f"<[{i}]>" if i is not None else json.dumps(text)
+
+
+def tool_syntax(chat_template: str | None, special_id: Callable[[str], int | None]) -> Syntax:
+    """The call syntax of a model with ``chat_template`` whose tokenizer's
+    ``special_id`` gives a special token's id (``Tokenizer.special_id``)."""
+    fmt = detect_format(chat_template)
+    tags = [t for t in _TAGS[fmt] if t]
+    if fmt == "mistral":
+        tags += ["[ARGS]", "[CALL_ID]"]
+    special = {t: i for t in tags if (i := special_id(t)) is not None}
+    return Syntax(fmt, special, fmt == "mistral" and "[ARGS]" in (chat_template or ""))
 
 
 @dataclass(frozen=True)
@@ -271,19 +302,19 @@ def tools_prompt(tools: list[dict]) -> str:
     )
 
 
-def _call_schema(tools: list[dict], key: str = "arguments") -> dict:
+def _call_schema(tools: list[dict], key: str = "arguments", call_id: bool = False) -> dict:
     """JSON schema of one call of one of ``tools``: its name and, under ``key``, its
-    arguments' schema."""
+    arguments' schema (with ``call_id``, an optional Mistral ``id`` after them)."""
     choices = []
     for t in tools:
         fn = t.get("function", t)
+        props = {"name": {"const": fn["name"]}, key: fn.get("parameters") or {"type": "object"}}
+        if call_id:
+            props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
         choices.append(
             {
                 "type": "object",
-                "properties": {
-                    "name": {"const": fn["name"]},
-                    key: fn.get("parameters") or {"type": "object"},
-                },
+                "properties": props,
                 "required": ["name", key],
                 "additionalProperties": False,
             }
@@ -292,38 +323,71 @@ def _call_schema(tools: list[dict], key: str = "arguments") -> dict:
     return {**schema, "x-guidance": JSON_LAYOUT}
 
 
-def call_grammar(tools: list[dict], fmt: str) -> str:
-    """Lark (llguidance) for exactly one call of one of ``tools`` in format ``fmt``
-    (hermes, llama3 or generic; Mistral's call opens with a special token, which this
-    grammar does not write yet)."""
-    if fmt == "llama3":
-        return f"%llguidance {{}}\nstart: %json {json.dumps(_call_schema(tools, 'parameters'))}\n"
-    if fmt == "mistral":
-        raise ValueError("forcing a call in Mistral's [TOOL_CALLS] format is not supported yet")
-    opening, closing = _TAGS[fmt]
+def _mistral_calls(tools: list[dict], syntax: Syntax, parallel: bool) -> str:
+    """Lark rules ``calls`` for what follows ``[TOOL_CALLS]``: one call, or with
+    ``parallel`` one or more, in the model's form of them."""
+    if not syntax.named:
+        items = _call_schema(tools, call_id=True)
+        bounds = {"minItems": 1} if parallel else {"minItems": 1, "maxItems": 1}
+        return f"calls: %json {json.dumps({'type': 'array', 'items': items, **bounds})}\n"
+    alternatives = " | ".join(
+        f"{json.dumps(fn['name'])} {syntax.literal('[ARGS]')} "
+        f"%json {json.dumps({**(fn.get('parameters') or {'type': 'object'}), 'x-guidance': JSON_LAYOUT})}"
+        for fn in (t.get("function", t) for t in tools)
+    )
+    more = f" ({syntax.literal('[TOOL_CALLS]')} call)*" if parallel else ""
+    return f"calls: call{more}\ncall: {alternatives}\n"
+
+
+def call_grammar(tools: list[dict], syntax: Syntax) -> str:
+    """Lark (llguidance) for exactly one call of one of ``tools`` as the model writes it
+    (``tool_syntax``): ``tool_choice`` "required" or a named tool."""
+    head = "%llguidance {}\n"
+    if syntax.fmt == "llama3":
+        return head + f"start: %json {json.dumps(_call_schema(tools, 'parameters'))}\n"
+    if syntax.fmt == "mistral":
+        opening = syntax.literal("[TOOL_CALLS]")
+        return head + f"start: {opening} calls\n" + _mistral_calls(tools, syntax, False)
+    opening, closing = _TAGS[syntax.fmt]
     return (
-        "%llguidance {}\n"
-        f"start: {json.dumps(opening + chr(10))} call {json.dumps(chr(10) + closing)}\n"
-        f"call: %json {json.dumps(_call_schema(tools))}\n"
+        head
+        + f'start: {syntax.literal(opening)} "\\n" call "\\n" {syntax.literal(closing)}\n'
+        + f"call: %json {json.dumps(_call_schema(tools))}\n"
     )
 
 
-def lazy_call_grammar(tools: list[dict], fmt: str, parallel: bool = True) -> str:
-    """Lark for free text in which each call, once its opening tag is written, must be a
+def lazy_call_grammar(tools: list[dict], syntax: Syntax, parallel: bool = True) -> str:
+    """Lark for free text in which a call, once its opening tag is written, must be a
     valid call of one of ``tools`` (a lazy grammar: the tag is its trigger). Text that
     never opens a call is unconstrained and may end anywhere; with ``parallel`` False, at
-    most one call."""
-    opening, closing = _TAGS[fmt]
-    calls = "(text call)*" if parallel else "(text call)?"
+    most one call. For Hermes and Mistral, whose calls open with a tag of their own."""
+    if syntax.fmt not in ("hermes", "mistral"):
+        raise ValueError(f"no lazy call grammar for the {syntax.fmt} format")
+    opening, closing = _TAGS[syntax.fmt]
+    if syntax.fmt == "mistral":
+        body, rules = "calls", _mistral_calls(tools, syntax, parallel)
+    else:
+        body = "call"
+        rules = (
+            f'call: "\\n" %json {json.dumps(_call_schema(tools))} "\\n" {syntax.literal(closing)}\n'
+        )
+    # Mistral's calls run to the end of the reply: at most one opening.
+    repeat = "*" if parallel and syntax.fmt == "hermes" else "?"
+    # Text that never spells the opening tag: the reply may stop anywhere in it.
+    free = f"/(.|\\n)*/ & ~/(.|\\n)*{_regex_literal(opening)}(.|\\n)*/"
+    if opening in syntax.special:
+        # The tag is one special token, which free text (bytes) cannot contain: free text
+        # runs up to it, and the token itself is the trigger.
+        start = f"start: (TEXT? {syntax.literal(opening)} {body}){repeat} TEXT?\n"
+        return "%llguidance {}\n" + start + f"TEXT: {free}\n" + rules
+    # Text up to and including the first opening tag, which ends it (the tag's text
+    # stays in the reply); a token may run on past it into the call.
+    tag = _regex_literal(opening)
     return (
         "%llguidance {}\n"
-        f"start: {calls} TAIL\n"
-        # Text up to the trigger, which ends it; the trigger's tokens stay in the reply.
-        f"text[stop={json.dumps(opening)}]: /(.|\\n)*/\n"
-        # Text to the end that never opens a call: the reply may stop anywhere in it.
-        f"TAIL: /(.|\\n)*/ & ~/(.|\\n)*{_regex_literal(opening)}(.|\\n)*/\n"
-        f"call: {json.dumps(chr(10))} %json {json.dumps(_call_schema(tools))} "
-        f"{json.dumps(chr(10) + closing)}\n"
+        f"start: (TEXT {body}){repeat} TAIL\n"
+        f"TEXT: /(.|\\n)*{tag}/ & ~/(.|\\n)*{tag}(.|\\n)+/\n"
+        f"TAIL: {free}\n" + rules
     )
 
 

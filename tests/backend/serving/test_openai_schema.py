@@ -8,7 +8,7 @@ import pytest
 
 from backend.serving.openai_schema import ApiError, ChatCompletionRequest
 from backend.text.chat_template import render_chat
-from backend.text.tool_calls import parse
+from backend.text.tool_calls import Syntax, parse
 
 TOOL = {
     "type": "function",
@@ -94,21 +94,25 @@ def test_generic_templates_get_the_tools_and_calls_as_text() -> None:
 )
 def test_bad_tool_choices(choice, param: str) -> None:
     with pytest.raises(ApiError) as exc:
-        request(tool_choice=choice).params("hermes")
+        request(tool_choice=choice).params(Syntax("hermes"))
     assert exc.value.param == param
 
 
 def test_forced_calls_and_response_format_do_not_mix() -> None:
     body = request(tool_choice="required", response_format={"type": "json_object"})
     with pytest.raises(ApiError, match="not both"):
-        body.params("hermes")
-    assert request(tool_choice="required").params("hermes").grammar.kind == "lark"
+        body.params(Syntax("hermes"))
+    assert request(tool_choice="required").params(Syntax("hermes")).grammar.kind == "lark"
     # auto: free text with calls held to their schema once begun (a lazy grammar), where
     # the format has a call tag of its own; the generic fence is left free
-    assert "stop=" in request().params("hermes").grammar.source
-    assert request().params("generic").grammar is None
-    assert request(tool_choice="none").params("hermes").grammar is None
-    assert "(text call)?" in request(parallel_tool_calls=False).params("hermes").grammar.source
+    assert "TAIL" in request().params(Syntax("hermes")).grammar.source
+    assert request().params(Syntax("generic")).grammar is None
+    assert request().params(Syntax("llama3")).grammar is None  # a bare JSON call: read only
+    assert "TAIL" in request().params(Syntax("mistral")).grammar.source
+    assert request(tool_choice="none").params(Syntax("hermes")).grammar is None
+    assert (
+        "(TEXT call)?" in request(parallel_tool_calls=False).params(Syntax("hermes")).grammar.source
+    )
 
 
 @pytest.mark.parametrize(
@@ -132,6 +136,6 @@ def test_malformed_tools_are_400s_naming_the_field(tools, choice, messages, para
         messages=messages or [{"role": "user", "content": "hi"}], tools=tools, tool_choice=choice
     )
     with pytest.raises(ApiError) as exc:
-        body.params("hermes")
+        body.params(Syntax("hermes"))
         body.chat_messages("generic")
     assert exc.value.status == 400 and exc.value.param == param

@@ -12,7 +12,15 @@ import pytest
 from backend.config import Grammar
 from backend.text.grammar import Matcher
 from backend.text.tokenizer import Tokenizer
-from backend.text.tool_calls import StreamParser, call_grammar, detect_format, parse
+from backend.text.tool_calls import (
+    StreamParser,
+    Syntax,
+    call_grammar,
+    detect_format,
+    lazy_call_grammar,
+    parse,
+    tool_syntax,
+)
 from tests.helpers.tools import WEATHER
 
 # (format, reply, expected content, expected calls as (name, arguments object))
@@ -132,7 +140,7 @@ def tok(smollm2_gguf: Path) -> Tokenizer:
 @pytest.mark.parametrize("fmt", ["hermes", "generic", "llama3"])
 def test_the_call_grammar_admits_a_valid_call_only(tok: Tokenizer, fmt: str) -> None:
     other = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}
-    spec = Grammar("lark", call_grammar([WEATHER, other], fmt))
+    spec = Grammar("lark", call_grammar([WEATHER, other], Syntax(fmt)))
     opening, closing = {
         "hermes": ("<tool_call>\n", "\n</tool_call>"),
         "generic": ("```json\n", "\n```"),
@@ -171,9 +179,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit
 
 
 def test_the_lazy_grammar_leaves_text_free_and_holds_calls_once_begun(tok: Tokenizer) -> None:
-    from backend.text.tool_calls import lazy_call_grammar
-
-    spec = Grammar("lark", lazy_call_grammar([WEATHER], "hermes"))
+    spec = Grammar("lark", lazy_call_grammar([WEATHER], Syntax("hermes")))
     eos = next(iter(tok.eos_ids))
     for text in ["No call needed here.", f"Checking. {CALL}", f"{CALL} and {CALL} done."]:
         m = Matcher(tok, tok.vocab_size, spec)
@@ -181,15 +187,131 @@ def test_the_lazy_grammar_leaves_text_free_and_holds_calls_once_begun(tok: Token
         assert m.allowed()[eos], text  # the reply may end here
     m = Matcher(tok, tok.vocab_size, spec)
     assert not _consume(m, tok, 'Sure <tool_call>\n{"name": "rm", ')  # not a tool
-    single = Grammar("lark", lazy_call_grammar([WEATHER], "hermes", parallel=False))
+    single = Grammar("lark", lazy_call_grammar([WEATHER], Syntax("hermes"), parallel=False))
     m = Matcher(tok, tok.vocab_size, single)
     assert _consume(m, tok, f"{CALL} then ")
     assert not _consume(m, tok, CALL)  # a second call is refused
 
 
-def test_forcing_a_mistral_call_is_refused_not_faked() -> None:
-    with pytest.raises(ValueError, match="not supported yet"):
-        call_grammar([WEATHER], "mistral")
+@pytest.fixture(scope="module")
+def special_tok(smollm2_gguf: Path) -> Tokenizer:
+    """SmolLM2's tokenizer with the call tags as special tokens, as Mistral's and some
+    Hermes models' tokenizers hold them: each is one token, never the bytes of its text."""
+    from tokenizers import AddedToken
+
+    meta = {k: f.contents() for k, f in gguf.GGUFReader(smollm2_gguf).fields.items()}
+    base = Tokenizer.from_gguf_metadata(meta, smollm2_gguf)
+    tags = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
+    base.backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tags])
+    return Tokenizer(
+        base.backend,
+        bos_id=base.bos_id,
+        eos_ids=base.eos_ids,
+        add_bos=False,
+        chat_template=base.chat_template,
+    )
+
+
+def _run(m: Matcher, ids: list[int]) -> bool:
+    """Feed ``ids``; False at the first token the grammar refuses."""
+    for t in ids:
+        if not m.allowed()[t]:
+            return False
+        m.accept(t)
+    return True
+
+
+HERMES_T = "{% if tools %}<tool_call>{{ t }}</tool_call>{% endif %}"
+MISTRAL_T = "[AVAILABLE_TOOLS]{{ t }}[/AVAILABLE_TOOLS][TOOL_CALLS]"
+MISTRAL_NAMED_T = MISTRAL_T + "{{ c.name }}[ARGS]{{ c.arguments }}"
+
+
+def test_the_syntax_names_the_tags_a_tokenizer_holds_as_special_tokens(
+    tok: Tokenizer, special_tok: Tokenizer
+) -> None:
+    plain = tool_syntax(HERMES_T, tok.special_id)
+    assert plain.fmt == "hermes" and plain.special == {}
+    assert plain.literal("<tool_call>") == '"<tool_call>"'
+    held = tool_syntax(HERMES_T, special_tok.special_id)
+    opening = special_tok.special_id("<tool_call>")
+    assert held.special == {"<tool_call>": opening, "</tool_call>": opening + 1}
+    assert held.literal("<tool_call>") == f"<[{opening}]>"
+    assert special_tok.special_id("hello") is None and tok.special_id("<tool_call>") is None
+    assert tool_syntax(MISTRAL_T, special_tok.special_id).named is False
+    named = tool_syntax(MISTRAL_NAMED_T, special_tok.special_id)
+    assert named.named and set(named.special) == {"[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"}
+
+
+def test_a_forced_call_opens_with_the_special_token_not_its_spelling(special_tok) -> None:
+    syntax = tool_syntax(HERMES_T, special_tok.special_id)
+    spec = Grammar("lark", call_grammar([WEATHER], syntax))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    ids = special_tok.encode(call)
+    assert ids[0] == syntax.special["<tool_call>"] and ids[-1] == syntax.special["</tool_call>"]
+    m = Matcher(special_tok, special_tok.vocab_size, spec)
+    first = m.allowed()
+    assert first.nonzero().flatten().tolist() == [ids[0]]  # "<" and friends are refused
+    m.accept(ids[0])
+    assert _run(m, ids[1:]) and m.done
+    assert parse(special_tok.decode(ids), "hermes")[1][0].name == "get_weather"
+
+
+@pytest.mark.parametrize("template", [MISTRAL_T, MISTRAL_NAMED_T])
+@pytest.mark.parametrize("special", [True, False])
+def test_a_forced_mistral_call_in_either_form_is_one_valid_call(
+    tok: Tokenizer, special_tok: Tokenizer, template: str, special: bool
+) -> None:
+    t = special_tok if special else tok
+    syntax = tool_syntax(template, t.special_id)
+    spec = Grammar("lark", call_grammar([WEATHER], syntax))
+    if syntax.named:
+        good = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "celsius"}'
+        bad = '[TOOL_CALLS]get_weather[ARGS]{"town"'
+    else:
+        good = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}, "id": "a1B2c3D4e"}]'
+        bad = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, {"name"'
+    m = Matcher(t, t.vocab_size, spec)
+    assert _run(m, t.encode(good)) and m.done
+    content, calls = parse(t.decode(t.encode(good)), "mistral")
+    assert content == "" and calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments)["city"] == "Oslo"
+    assert len(calls[0].id) == 9
+    assert not _run(Matcher(t, t.vocab_size, spec), t.encode(bad))  # forced: exactly one
+
+
+@pytest.mark.parametrize(
+    "template, call",
+    [
+        (
+            HERMES_T,
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>',
+        ),
+        (
+            MISTRAL_T,
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]',
+        ),
+        (MISTRAL_NAMED_T, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "celsius"}'),
+    ],
+)
+@pytest.mark.parametrize("special", [True, False])
+def test_a_lazy_grammar_triggers_on_the_tag_as_the_model_writes_it(
+    tok: Tokenizer, special_tok: Tokenizer, template: str, call: str, special: bool
+) -> None:
+    t = special_tok if special else tok
+    syntax = tool_syntax(template, t.special_id)
+    assert bool(syntax.special) == special
+    spec = Grammar("lark", lazy_call_grammar([WEATHER], syntax))
+    eos = next(iter(t.eos_ids))
+    m = Matcher(t, t.vocab_size, spec)
+    assert _run(m, t.encode("No call needed, 2 < 3 [sic].")) and m.allowed()[eos]
+    m = Matcher(t, t.vocab_size, spec)
+    assert _run(m, t.encode(f"Let me look. {call}"))
+    assert m.allowed()[eos] or m.done
+    content, calls = parse(t.decode(t.encode(f"Let me look. {call}")), syntax.fmt)
+    assert content.strip() == "Let me look." and calls[0].name == "get_weather"
+    opening = call[: call.index("get_weather") if syntax.named else call.index("{")]
+    m = Matcher(t, t.vocab_size, spec)
+    assert not _run(m, t.encode(f'Sure {opening}{{"name": "rm"'))
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "generic"])
