@@ -7,6 +7,7 @@ bevy demo                   concurrent sample chats with live progress in the te
 bevy serve                  OpenAI-compatible HTTP API (127.0.0.1:8080)
 bevy bench                  scheduling policies side by side
 bevy models list|add|pull-demo|info
+bevy agent --workspace DIR TASK   a coding agent that reads, edits and runs code there
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from backend.errors import BevyError
 from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS
+from backend.serving import agent_cli
 
 
 def _add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -173,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("path", type=Path)
     info = msub.add_parser("info", help="show a model's architecture")
     info.add_argument("path", type=Path)
+    agent_cli.add_parser(sub, _add_model_arg, _add_engine_args)
     return parser
 
 
@@ -453,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": cmd_serve,
         "demo": cmd_demo,
         "models": cmd_models,
+        "agent": lambda a: agent_cli.cmd_agent(a, _load, _engine_config),
         None: cmd_default,
     }
     try:
