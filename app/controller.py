@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Signal
 
+from app.agents import AgentSessions, default_workspace, shown_message
 from app.bridge import Bridge
-from app.settings import AGENT_SYSTEM_PROMPT, sampling
+from app.settings import sampling
 from app.store import Session, Store, StoreError
 from backend.api import Finished
 
@@ -60,6 +61,7 @@ class ChatController(QObject):
     reply_finished = Signal(int, str)  # session id, final status: "done" | "stopped" | "error"
     busy_changed = Signal(int, bool)  # session id, whether it has a reply in progress
     session_renamed = Signal(int, str)  # session id, new title
+    notice = Signal(str)  # why a request could not start, for the status bar
 
     def __init__(
         self,
@@ -79,45 +81,63 @@ class ChatController(QObject):
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
         bridge.state_changed.connect(self._on_state)
+        # Agent sessions run their loops there; their changes reach views like tokens do.
+        self.agents = AgentSessions(self)
+        self.agents.changed.connect(lambda sid: self.token.emit(sid, ""))
+        self.agents.finished.connect(self._on_agent_finished)
 
     # --- queries ------------------------------------------------------------------------
 
     def is_busy(self, session_id: int) -> bool:
-        """Whether ``session_id`` has a reply in progress (or waiting for the engine)."""
-        return session_id in self.replies
+        """Whether ``session_id`` has a reply in progress (or waiting for the engine), or
+        its agent is working."""
+        return session_id in self.replies or self.agents.busy(session_id)
 
     def busy_sessions(self) -> list[int]:
-        """The sessions with a reply in progress."""
-        return list(self.replies)
+        """The sessions with a reply in progress or an agent working."""
+        return [*self.replies, *self.agents.runs]
 
     def shown(self, session_id: int) -> list[dict]:
         """The session's messages for the view, read from the store the first time."""
         if session_id not in self.messages:
-            self.messages[session_id] = [
-                {"role": m.role, "content": m.content, "status": m.status}
-                for m in self.store.messages(session_id)
-            ]
+            self.messages[session_id] = [shown_message(m) for m in self.store.messages(session_id)]
         return self.messages[session_id]
 
     # --- sessions -----------------------------------------------------------------------
 
-    def create_session(self, kind: str = "chat") -> Session:
-        """A new, empty session; an agent session starts with the agent's prompt and
-        sampling (longer replies, low temperature)."""
-        prompt = AGENT_SYSTEM_PROMPT if kind == "agent" else ""
-        overrides = {"max_tokens": 1024, "temperature": 0.2} if kind == "agent" else {}
-        return self.store.create_session(NEW_TITLES.get(kind, "New chat"), kind, prompt, overrides)
+    def create_session(self, kind: str = "chat", workspace: str | None = None) -> Session:
+        """A new, empty session; an agent session works in ``workspace`` (default: a new
+        folder under the app's data dir) with the agent's sampling (longer replies, low
+        temperature)."""
+        if kind != "agent":
+            return self.store.create_session(NEW_TITLES.get(kind, "New chat"), kind)
+        return self.store.create_session(
+            NEW_TITLES["agent"],
+            "agent",
+            "",
+            {"max_tokens": 1024, "temperature": 0.2},
+            workspace=workspace or default_workspace(),
+        )
 
     def rename_session(self, session_id: int, title: str) -> None:
         self.store.rename_session(session_id, title)
         self.session_renamed.emit(session_id, title)
 
-    def update_session(self, session_id: int, system_prompt: str, overrides: dict) -> None:
-        """Save a session's system prompt and sampling overrides (used from its next reply)."""
-        self.store.update_session(session_id, system_prompt=system_prompt, sampling=overrides)
+    def update_session(
+        self, session_id: int, system_prompt: str, overrides: dict, rules: list[str] | None = None
+    ) -> None:
+        """Save a session's system prompt, sampling overrides and (agents) permission rules,
+        used from its next reply."""
+        self.store.update_session(
+            session_id, system_prompt=system_prompt, sampling=overrides, rules=rules
+        )
 
     def delete_session(self, session_id: int) -> None:
         """Delete the session and everything in it, aborting its reply if one is running."""
+        if self.agents.busy(session_id):
+            self.agents.stop(session_id)
+            self.agents.runs.pop(session_id, None)
+            self.busy_changed.emit(session_id, False)
         reply = self.replies.pop(session_id, None)
         # Forget the reply now: tokens already queued for it have nowhere to go.
         if reply is not None:
@@ -135,7 +155,10 @@ class ChatController(QObject):
         session is still replying."""
         if session_id in self.replies:
             return False
-        if self.store.session(session_id).title in NEW_TITLES.values():
+        session = self.store.session(session_id)
+        if session.kind == "agent":
+            return self._send_agent(session, text)
+        if session.title in NEW_TITLES.values():
             self.rename_session(session_id, " ".join(text.split())[:TITLE_CHARS])
         self.store.add_message(session_id, "user", text)
         history = self.store.history(session_id)
@@ -150,8 +173,28 @@ class ChatController(QObject):
         self._submit(reply)
         return True
 
+    def _send_agent(self, session: Session, text: str) -> bool:
+        if self.agents.busy(session.id):
+            return False
+        if session.title in NEW_TITLES.values():
+            self.rename_session(session.id, " ".join(text.split())[:TITLE_CHARS])
+        refusal = self.agents.send(session.id, text)
+        if refusal is not None:
+            self.notice.emit(refusal)
+            return False
+        self.reply_started.emit(session.id)
+        self.busy_changed.emit(session.id, True)
+        return True
+
+    def _on_agent_finished(self, session_id: int, status: str) -> None:
+        self.reply_finished.emit(session_id, status)
+        self.busy_changed.emit(session_id, False)
+
     def stop(self, session_id: int) -> None:
         """Stop the session's reply, keeping what it has said so far."""
+        if self.agents.busy(session_id):
+            self.agents.stop(session_id)
+            return
         reply = self.replies.get(session_id)
         if reply is None:
             return
@@ -162,6 +205,7 @@ class ChatController(QObject):
 
     def stop_all(self) -> None:
         """End every reply as stopped, now, without waiting for the engine (app exit)."""
+        self.agents.stop_all()
         for reply in list(self.replies.values()):
             self._end_reply(reply, "stopped")
 

@@ -34,15 +34,17 @@ from PySide6.QtWidgets import (
 
 from app.bridge import Bridge
 from app.controller import ChatController
+from app.dialogs.agent import NewAgentDialog
 from app.dialogs.models import ModelManager
 from app.dialogs.session import SessionSettingsDialog
 from app.dialogs.settings import SettingsDialog
 from app.panels import CachePanel, OverlapPanel, ProgressPanel, ThroughputPanel
 from app.settings import ENGINE_KEYS, engine_config, merged
 from app.store import Store
-from app.widgets.chat import ConversationView, InputBox
+from app.widgets.chat import ApprovalBar, ConversationView, InputBox
 from app.widgets.compare import CompareView
 from app.widgets.sessions import SessionList
+from backend import api
 from backend.api import MetricsSnapshot
 
 RENDER_INTERVAL_MS = 66  # a streaming reply re-renders at most ~15 times a second
@@ -63,12 +65,14 @@ class MainWindow(QMainWindow):
             store, self.bridge, merged(store.get_setting("app")), parent=self
         )
         self.error_box: QMessageBox | None = None
+        self._agent_dialog: NewAgentDialog | None = None
         self._dirty: set[int] = set()
         self._load_dialog: QProgressDialog | None = None
         self._latest: MetricsSnapshot | None = None
 
         self.sessions = SessionList()
         self.view = ConversationView()
+        self.approval = ApprovalBar()
         self.input = InputBox()
         self.send_button = QPushButton("Send")
         self.stop_button = QPushButton("Stop")
@@ -89,6 +93,7 @@ class MainWindow(QMainWindow):
         layout = QVBoxLayout(center)
         layout.addLayout(row)
         layout.addWidget(self.view, 1)
+        layout.addWidget(self.approval)
         layout.addLayout(buttons)
         split = QSplitter()
         split.addWidget(self.sessions)
@@ -139,6 +144,11 @@ class MainWindow(QMainWindow):
         self.controller.reply_finished.connect(self._changed)
         self.controller.busy_changed.connect(self._on_busy)
         self.controller.session_renamed.connect(self._on_renamed)
+        self.controller.notice.connect(lambda text: self.statusBar().showMessage(text, 6000))
+        agents = self.controller.agents
+        agents.approval_changed.connect(self._on_approval)
+        agents.activity_changed.connect(self._on_activity)
+        self.approval.answered.connect(self._answer)
         self.bridge.metrics.connect(self._on_metrics)
         self.bridge.state_changed.connect(self._on_state)
         self.bridge.load_progress.connect(self._on_load_progress)
@@ -294,8 +304,16 @@ class MainWindow(QMainWindow):
         if self.current_id is None and rows:
             self.sessions.select(rows[0]["id"])
 
-    def new_session(self, kind: str = "chat") -> int:
-        s = self.controller.create_session(kind)
+    def new_session(self, kind: str = "chat", workspace: str | None = None) -> int | None:
+        """A new session, selected. An agent session asks for its workspace folder first
+        (unless ``workspace`` is given) and is created once the dialog is accepted."""
+        if kind == "agent" and workspace is None:
+            dialog = NewAgentDialog(self)
+            dialog.accepted.connect(lambda: self.new_session("agent", dialog.workspace()))
+            dialog.open()
+            self._agent_dialog = dialog
+            return None
+        s = self.controller.create_session(kind, workspace)
         self.sessions.add_session(s.id, s.title, s.kind)
         self.sessions.select(s.id)
         self.input.setFocus()
@@ -303,10 +321,39 @@ class MainWindow(QMainWindow):
 
     def show_session(self, session_id: int) -> None:
         shown = self.controller.shown(session_id)
-        s = self.store.session(session_id)
-        self.title_label.setText(f"{s.title}  ({'coding agent' if s.kind == 'agent' else 'chat'})")
+        self._update_title(session_id)
         self.view.show_messages(shown)
         self.stop_button.setEnabled(self.controller.is_busy(session_id))
+        self._on_approval(session_id)
+
+    def _update_title(self, session_id: int) -> None:
+        s = self.store.session(session_id)
+        if s.kind != "agent":
+            self.title_label.setText(f"{s.title}  (chat)")
+            return
+        activity = self.controller.agents.activity(session_id)
+        self.title_label.setText(f"{s.title}  (coding agent{' · ' + activity if activity else ''})")
+        self.title_label.setToolTip(
+            f"Workspace: {s.workspace}\nCommands are {api.describe_isolation()}."
+        )
+
+    def _on_approval(self, session_id: int) -> None:
+        if session_id != self.current_id:
+            return
+        pending = self.controller.agents.pending(session_id)
+        if pending is None:
+            self.approval.hide()
+        else:
+            self.approval.ask(pending.name, pending.preview)
+
+    def _on_activity(self, session_id: int, activity: str) -> None:
+        self.sessions.set_activity(session_id, activity)
+        if session_id == self.current_id:
+            self._update_title(session_id)
+
+    def _answer(self, answer: str) -> None:
+        if self.current_id is not None:
+            self.controller.agents.answer(self.current_id, answer)
 
     def rename_session(self, session_id: int, title: str) -> None:
         self.controller.rename_session(session_id, title)  # _on_renamed updates the views
@@ -366,8 +413,13 @@ class MainWindow(QMainWindow):
         sid = session_id if session_id is not None else self.current_id
         if sid is None:
             sid = self.new_session("chat")
-        if not self.controller.send(sid, text):
+        busy = self.controller.is_busy(sid)
+        if self.controller.send(sid, text):
+            return
+        if busy:
             self.statusBar().showMessage("This session is still replying: Esc stops it", 4000)
+        if not self.input.toPlainText():
+            self.input.setPlainText(text)  # refused (the notice says why): keep what was typed
 
     def stop_current(self) -> None:
         if self.current_id is not None:

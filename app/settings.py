@@ -26,10 +26,6 @@ ENGINE_KEYS = ("model", "device", "storage", "cache", "policy", "max_active")
 DEVICES = ("auto", "cuda", "mps", "cpu")
 STORAGES = ("ssd", "host")
 POLICIES = ("bevy", "sync", "prefetch-gate", "prefetch-history")
-AGENT_SYSTEM_PROMPT = (
-    "You are a careful coding agent. Read the code and tool output you are given, "
-    "explain your plan briefly, then give complete, runnable code in fenced blocks."
-)
 
 
 def merged(saved: dict | None) -> dict:

@@ -20,7 +20,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,13 @@ MIGRATIONS: tuple[str, ...] = (
         results TEXT NOT NULL
     );
     """,
+    # 2: agent sessions: a workspace and permission rules per session, and per message
+    # what a card shows (an assistant turn's tool calls; a tool run's call and result).
+    """
+    ALTER TABLE sessions ADD COLUMN workspace TEXT NOT NULL DEFAULT '';
+    ALTER TABLE sessions ADD COLUMN rules TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE messages ADD COLUMN data TEXT NOT NULL DEFAULT '{}';
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -102,6 +109,8 @@ class Session:
     sampling: dict[str, Any]
     created: float
     updated: float
+    workspace: str = ""  # agent sessions: the folder the agent works in
+    rules: list[str] = field(default_factory=list)  # agent sessions: "allow run_command pytest *"
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,9 @@ class Message:
     prompt_tokens: int
     completion_tokens: int
     created: float
+    # Agent sessions: {"tool_calls": [...]} on an assistant turn; on a tool message the
+    # call (call_id, name, arguments) and its result (approval, exit_code, seconds, diff).
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,6 +155,8 @@ def _session(row: dict) -> Session:
         json.loads(row["sampling"]),
         row["created"],
         row["updated"],
+        row.get("workspace", ""),
+        json.loads(row.get("rules") or "[]"),
     )
 
 
@@ -229,6 +243,7 @@ class Store:
         kind: str = "chat",
         system_prompt: str = "",
         sampling: dict[str, Any] | None = None,
+        workspace: str = "",
     ) -> Session:
         _check(kind, KINDS, "kind")
         now = self._clock()
@@ -237,6 +252,7 @@ class Store:
             "kind": kind,
             "system_prompt": system_prompt,
             "sampling": json.dumps(sampling or {}),
+            "workspace": workspace,
             "created": now,
             "updated": now,
         }
@@ -258,9 +274,13 @@ class Store:
         title: str | None = None,
         system_prompt: str | None = None,
         sampling: dict[str, Any] | None = None,
+        rules: list[str] | None = None,
     ) -> Session:
-        """Change any of title, system prompt and sampling settings; bumps ``updated``."""
+        """Change any of title, system prompt, sampling settings and (agent) rules; bumps
+        ``updated``."""
         sets: dict[str, Any] = {"updated": self._clock()}
+        if rules is not None:
+            sets["rules"] = json.dumps(rules)
         if title is not None:
             sets["title"] = title
         if system_prompt is not None:
@@ -308,6 +328,7 @@ class Store:
         status: str = "done",
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
+        data: dict[str, Any] | None = None,
     ) -> Message:
         """Append a message; a reply about to stream starts with ``status="streaming"``."""
         _check(role, ROLES, "role")
@@ -321,6 +342,7 @@ class Store:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "created": now,
+            "data": json.dumps(data or {}),
         }
         with self._lock:
             try:
@@ -334,7 +356,15 @@ class Store:
             if status == "streaming":
                 self._last_write[mid] = now
         return Message(
-            mid, session_id, role, content, status, prompt_tokens, completion_tokens, now
+            mid,
+            session_id,
+            role,
+            content,
+            status,
+            prompt_tokens,
+            completion_tokens,
+            now,
+            data or {},
         )
 
     def update_message(
@@ -360,8 +390,10 @@ class Store:
         status: str = "done",
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
+        data: dict[str, Any] | None = None,
     ) -> None:
-        """End a reply (done, stopped, error): written at once, superseding pending text."""
+        """End a reply (done, stopped, error): written at once, superseding pending text.
+        ``data`` replaces the message's card data."""
         _check(status, STATUSES, "status")
         with self._lock:
             pending = self._pending.pop(message_id, None)
@@ -377,6 +409,8 @@ class Store:
                 sets["prompt_tokens"] = prompt_tokens
             if completion_tokens is not None:
                 sets["completion_tokens"] = completion_tokens
+            if data is not None:
+                sets["data"] = json.dumps(data)
             assignments = ", ".join(f"{k} = ?" for k in sets)
             now = self._clock()
             with self.db.atomic():
@@ -411,7 +445,17 @@ class Store:
             out.append({"role": m.role, "content": m.content})
         return out
 
+    def set_message_data(self, message_id: int, data: dict[str, Any]) -> None:
+        """Replace a message's card data (a tool call waiting for approval, then running)."""
+        with self._lock:
+            cur = self.db.execute(
+                "UPDATE messages SET data = ? WHERE id = ?", [json.dumps(data), message_id]
+            )
+        if cur.rowcount == 0:
+            raise StoreError(f"no message {message_id}")
+
     def _message(self, row: dict) -> Message:
+        row = {**row, "data": json.loads(row.get("data") or "{}")}
         pending = self._pending.get(row["id"])
         if pending is not None:
             row = {**row, "content": pending.content}
@@ -538,6 +582,13 @@ class Store:
             lines += ["## System prompt", "", s.system_prompt, ""]
         for m in self.messages(session_id):
             lines += [f"## {m.role.capitalize()}", ""]
+            if m.role == "tool" and m.data.get("name"):
+                args = m.data.get("arguments")
+                args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                lines += [f"`{m.data['name']}` `{args}`", ""]
+            for c in m.data.get("tool_calls") or []:
+                fn = c.get("function") or {}
+                lines += [f"- calls `{fn.get('name')}` `{fn.get('arguments')}`"]
             if m.content:
                 lines += [m.content, ""]
             if m.status != "done":

@@ -11,6 +11,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from backend.agent.loop import (
+    Agent,
+    AgentEvent,
+    AgentFinished,
+    AssistantTurn,
+    CallFinished,
+    CallProposed,
+    CallStarted,
+    PendingCall,
+    StepStarted,
+    TextDelta,
+    new_workspace,
+    system_prompt,
+)
+from backend.agent.permissions import Rule, Rules
+from backend.agent.shell import describe_isolation, isolation
+from backend.agent.workspace import ToolError, Workspace
 from backend.config import EngineConfig, SamplingParams, parse_cache_size
 from backend.errors import BevyError
 from backend.messages import (
@@ -27,6 +44,7 @@ from backend.policies import POLICIES, POLICY_NOTES
 from backend.serving.catalog import ModelEntry, add_model, format_size, list_models
 
 if TYPE_CHECKING:
+    from backend.serving.chat_model import LocalChatModel
     from backend.serving.http import ServerHandle
     from backend.serving.service import EngineService
 
@@ -34,25 +52,44 @@ __all__ = [
     "POLICIES",
     "POLICY_NOTES",
     "Abort",
+    "Agent",
+    "AgentEvent",
+    "AgentFinished",
+    "AssistantTurn",
     "BevyError",
+    "CallFinished",
+    "CallProposed",
+    "CallStarted",
     "EngineConfig",
     "ErrorEvent",
     "Event",
     "Finished",
     "MetricsSnapshot",
     "ModelEntry",
+    "PendingCall",
     "RequestProgress",
+    "Rule",
+    "Rules",
     "SamplingParams",
+    "StepStarted",
     "Submit",
+    "TextDelta",
     "TokenEvent",
+    "ToolError",
+    "Workspace",
     "add_model",
+    "describe_isolation",
     "ensure_demo",
     "format_size",
+    "isolation",
     "list_models",
+    "local_chat_model",
+    "new_workspace",
     "open_service",
     "parse_cache_size",
     "run_cli",
     "start_api_server",
+    "system_prompt",
 ]
 
 
@@ -76,6 +113,16 @@ def open_service(
         model_path = ensure_demo()
     resolved = EngineConfig(**{**vars(config), "device": resolve_device(config.device)})
     return EngineService.open(model_path, resolved, progress=progress), resolved
+
+
+def local_chat_model(
+    service: EngineService, session: str, sampling: dict | None = None
+) -> LocalChatModel:
+    """Chat turns with tools on ``service``'s engine, for an agent session (labelled
+    ``session`` in the progress views); ``sampling``: OpenAI request fields."""
+    from backend.serving.chat_model import LocalChatModel
+
+    return LocalChatModel(service, session, sampling)
 
 
 def start_api_server(

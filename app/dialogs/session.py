@@ -1,4 +1,4 @@
-"""Per-session settings: system prompt and sampling overrides.
+"""Per-session settings: system prompt, sampling overrides and (agents) permission rules.
 
 Only ticked fields are stored with the session; the rest follow the app settings, so a
 later change of a default still reaches every session that did not override it.
@@ -12,6 +12,8 @@ from PySide6.QtWidgets import (
     QDialogButtonBox,
     QDoubleSpinBox,
     QFormLayout,
+    QLabel,
+    QMessageBox,
     QPlainTextEdit,
     QSpinBox,
     QVBoxLayout,
@@ -19,6 +21,13 @@ from PySide6.QtWidgets import (
 )
 
 from app.store import Session
+from backend import api
+
+RULES_HELP = (
+    "One rule per line: allow | ask | deny, a tool (or *), a glob pattern matched against "
+    "the command or path. E.g. 'allow run_command pytest *', 'deny run_command rm *', "
+    "'allow write_file src/*'. Reading runs and changing asks when no rule matches."
+)
 
 
 class SessionSettingsDialog(QDialog):
@@ -46,17 +55,42 @@ class SessionSettingsDialog(QDialog):
             tick.toggled.connect(box.setEnabled)
             self.overrides[key] = tick
             form.addRow(tick, box)
+        self.rules: QPlainTextEdit | None = None
+        if session.kind == "agent":
+            form.addRow("Workspace", QLabel(session.workspace))
+            self.rules = QPlainTextEdit("\n".join(session.rules))
+            self.rules.setPlaceholderText("allow run_command pytest *")
+            self.rules.setToolTip(RULES_HELP)
+            form.addRow("Rules", self.rules)
+            help_label = QLabel(RULES_HELP)
+            help_label.setWordWrap(True)
+            form.addRow("", help_label)
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
         )
-        buttons.accepted.connect(self.accept)
+        buttons.accepted.connect(self._check_and_accept)
         buttons.rejected.connect(self.reject)
         layout = QVBoxLayout(self)
         layout.addLayout(form)
         layout.addWidget(buttons)
 
-    def values(self) -> tuple[str, dict]:
+    def _check_and_accept(self) -> None:
+        try:
+            self.rule_lines()
+        except ValueError as exc:
+            QMessageBox.warning(self, "Invalid rule", str(exc))
+            return
+        self.accept()
+
+    def rule_lines(self) -> list[str] | None:
+        """The agent's rules, each checked (ValueError names a bad one); None for a chat."""
+        if self.rules is None:
+            return None
+        lines = [line.strip() for line in self.rules.toPlainText().splitlines() if line.strip()]
+        return [str(api.Rule.parse(line)) for line in lines]
+
+    def values(self) -> tuple[str, dict, list[str] | None]:
         sampling = {
             k: self.fields[k].value() for k, tick in self.overrides.items() if tick.isChecked()
         }
-        return self.prompt.toPlainText().strip(), sampling
+        return self.prompt.toPlainText().strip(), sampling, self.rule_lines()

@@ -6,9 +6,21 @@ at a capped rate while a reply streams, so the cost does not grow with the token
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import QPlainTextEdit, QTextBrowser, QWidget
+import json
+import re
+
+from PySide6.QtCore import Qt, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QFontDatabase, QKeyEvent, QKeySequence
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool"}
 STATUS_NOTES = {
@@ -19,10 +31,85 @@ STATUS_NOTES = {
 }
 
 
-def conversation_markdown(messages: list[dict]) -> str:
-    """One Markdown document for a conversation; each message under a bold speaker label."""
+CARD_LINES = 12  # a tool card shows the end of its output; a link shows the rest
+APPROVALS = {
+    "rules": "allowed by the rules",
+    "approved": "approved",
+    "always": "always allowed",
+    "denied": "denied",
+    "refused": "not run",
+}
+
+
+def _fence(text: str, lang: str = "") -> str:
+    """``text`` in a code block whose fence no run of backticks in it can close."""
+    longest = max((len(r) for r in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
+
+
+def _subject(name: str, args: object) -> str:
+    if not isinstance(args, dict):
+        return f"`{str(args)[:200]}`"
+    if name == "run_command":
+        return _fence(f"$ {args.get('command', '')}", "bash")
+    if name == "search":
+        return f"`{args.get('pattern', '')}` in `{args.get('path', '.')}`"
+    if name == "finish":
+        return ""
+    if "path" in args:
+        return f"`{args['path']}`"
+    return f"`{json.dumps(args, ensure_ascii=False)[:200]}`"
+
+
+def tool_card(m: dict, expanded: bool = False) -> str:
+    """A tool call as a card: the tool, what it acts on, its state or result, and its
+    output (the last ``CARD_LINES`` lines unless ``expanded``) or diff."""
+    d = m.get("data") or {}
+    name = d.get("name", "tool")
+    state, status = d.get("state"), m.get("status", "done")
+    if status == "interrupted":
+        badge = "✗ *interrupted (the app closed while it ran)*"
+    elif state == "pending":
+        badge = "**waiting for your approval** (below)"
+    elif state in ("running", "checking") or status == "streaming":
+        badge = "*running…*"
+    else:
+        parts = ["✓" if d.get("ok") else "✗"]
+        if name == "run_command" and d.get("approval") in ("rules", "approved", "always"):
+            parts.append(f"exit {d['exit_code']}" if d.get("exit_code") is not None else "killed")
+        parts.append(f"{d.get('seconds') or 0:.1f} s")
+        parts.append(APPROVALS.get(d.get("approval", ""), d.get("approval", "")))
+        badge = " · ".join(parts)
+    out = [f"**Tool** · `{name}` — {badge}"]
+    subject = _subject(name, d.get("arguments"))
+    if subject:
+        out.append(subject)
+    body = d.get("diff") or m.get("content") or ""
+    if body.strip() and state not in ("pending", "running", "checking"):
+        lines = body.rstrip().splitlines()
+        key = m.get("id")
+        if len(lines) > CARD_LINES and not expanded:
+            out.append(_fence("\n".join(lines[-CARD_LINES:]), "diff" if d.get("diff") else ""))
+            out.append(f"[▸ show all {len(lines)} lines](card:{key})")
+        else:
+            out.append(_fence(body, "diff" if d.get("diff") else ""))
+            if len(lines) > CARD_LINES:
+                out.append(f"[▾ show less](card:{key})")
+    return "\n\n".join(out)
+
+
+def conversation_markdown(messages: list[dict], expanded: set | frozenset = frozenset()) -> str:
+    """One Markdown document for a conversation; each message under a bold speaker label,
+    tool calls as cards (``expanded``: the message ids of cards shown whole)."""
     parts = []
     for m in messages:
+        data = m.get("data") or {}
+        if m["role"] == "tool" and data.get("name"):
+            parts.append(tool_card(m, m.get("id") in expanded))
+            continue
+        if m["role"] == "assistant" and data.get("tool_calls") and not m.get("content"):
+            continue  # a turn that only called tools: its cards follow
         label = f"**{ROLE_LABELS.get(m['role'], m['role'])}**"
         note = STATUS_NOTES.get(m.get("status", "done"))
         if note:
@@ -38,12 +125,24 @@ class ConversationView(QTextBrowser):
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.setOpenExternalLinks(True)
+        self.setOpenLinks(False)  # card links toggle cards; others open in the browser
+        self.anchorClicked.connect(self._on_link)
         self.setPlaceholderText("Start typing below. Enter sends, Shift+Enter adds a line.")
         self._shown = ""
+        self._messages: list[dict] = []
+        self.expanded: set[int] = set()  # message ids of tool cards shown whole
+
+    def _on_link(self, url: QUrl) -> None:
+        if url.scheme() == "card":
+            key = int(url.path() or url.toString().split(":", 1)[1])
+            self.expanded.symmetric_difference_update({key})
+            self.show_messages(self._messages)
+        else:
+            QDesktopServices.openUrl(url)
 
     def show_messages(self, messages: list[dict]) -> None:
-        text = conversation_markdown(messages)
+        self._messages = messages
+        text = conversation_markdown(messages, self.expanded)
         if text == self._shown:
             return
         bar = self.verticalScrollBar()
@@ -84,3 +183,45 @@ class InputBox(QPlainTextEdit):
             self.stop_requested.emit()
             return
         super().keyPressEvent(event)
+
+
+class ApprovalBar(QFrame):
+    """A tool call waiting for the user: what it would do, and Approve (Ctrl+Enter),
+    Always allow such calls in this session (Ctrl+Shift+Enter) or Deny (Ctrl+Backspace)."""
+
+    answered = Signal(str)  # "approve" | "always" | "deny"
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setStyleSheet("ApprovalBar { background: #fff6d6; border: 1px solid #e0b000; }")
+        self.title = QLabel()
+        self.title.setStyleSheet("font-weight: bold")
+        self.preview = QPlainTextEdit(readOnly=True)
+        self.preview.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.preview.setMaximumHeight(130)
+        self.buttons = {}
+        row = QHBoxLayout()
+        row.addWidget(self.title, 1)
+        for answer, text, keys in (
+            ("approve", "Approve", "Ctrl+Return"),
+            ("always", "Always allow", "Ctrl+Shift+Return"),
+            ("deny", "Deny", "Ctrl+Backspace"),
+        ):
+            b = QPushButton(
+                f"{text}  ({QKeySequence(keys).toString(QKeySequence.SequenceFormat.NativeText)})"
+            )
+            b.setShortcut(QKeySequence(keys))
+            b.clicked.connect(lambda _=False, a=answer: self.answered.emit(a))
+            row.addWidget(b)
+            self.buttons[answer] = b
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 6, 8, 6)
+        layout.addLayout(row)
+        layout.addWidget(self.preview)
+        self.hide()
+
+    def ask(self, name: str, preview: str) -> None:
+        self.title.setText(f"Allow {name}?")
+        self.preview.setPlainText(preview)
+        self.show()

@@ -24,7 +24,10 @@ ID_ROLE = Qt.ItemDataRole.UserRole + 1
 KIND_ROLE = Qt.ItemDataRole.UserRole + 2
 TITLE_ROLE = Qt.ItemDataRole.UserRole + 3
 BUSY_ROLE = Qt.ItemDataRole.UserRole + 4
+ACTIVITY_ROLE = Qt.ItemDataRole.UserRole + 5
 KIND_SUFFIX = {"chat": "", "agent": "  · agent"}
+# Before the title, where eliding a long title cannot hide it.
+ACTIVITY_MARKS = {"thinking": "● ", "running a tool": "▶ ", "waiting for approval": "? "}
 
 
 class SessionList(QWidget):
@@ -55,7 +58,7 @@ class SessionList(QWidget):
         new_chat = QPushButton("New chat")
         new_chat.clicked.connect(lambda: self.new_requested.emit("chat"))
         new_agent = QPushButton("New agent")
-        new_agent.setToolTip("A coding-agent session: coding system prompt, longer replies")
+        new_agent.setToolTip("A coding agent that reads, edits and runs code in a folder")
         new_agent.clicked.connect(lambda: self.new_requested.emit("agent"))
         buttons = QHBoxLayout()
         buttons.addWidget(new_chat)
@@ -88,11 +91,17 @@ class SessionList(QWidget):
 
     @staticmethod
     def _label(item: QStandardItem) -> None:
-        busy = " ●" if item.data(BUSY_ROLE) else ""
+        activity = item.data(ACTIVITY_ROLE) or ""
+        busy = " ●" if item.data(BUSY_ROLE) and not activity else ""
         kind = item.data(KIND_ROLE)
-        item.setText(f"{item.data(TITLE_ROLE)}{KIND_SUFFIX.get(kind, '')}{busy}")
+        mark = ACTIVITY_MARKS.get(activity, "")
+        item.setText(f"{mark}{item.data(TITLE_ROLE)}{KIND_SUFFIX.get(kind, '')}{busy}")
         tip = "coding-agent session" if kind == "agent" else "chat session"
-        item.setToolTip(f"{tip}, generating" if busy else tip)
+        if activity:
+            tip = f"{tip}: {activity}"
+        elif busy:
+            tip = f"{tip}, generating"
+        item.setToolTip(tip)
 
     def _find(self, session_id: int) -> QStandardItem | None:
         for row in range(self.model.rowCount()):
@@ -112,6 +121,13 @@ class SessionList(QWidget):
     def set_busy(self, session_id: int, busy: bool) -> None:
         if (item := self._find(session_id)) is not None and item.data(BUSY_ROLE) != busy:
             item.setData(busy, BUSY_ROLE)
+            self._label(item)
+
+    def set_activity(self, session_id: int, activity: str) -> None:
+        """What an agent is doing ("thinking", "running a tool", "waiting for approval";
+        "" when idle), shown before its title."""
+        if (item := self._find(session_id)) is not None and item.data(ACTIVITY_ROLE) != activity:
+            item.setData(activity, ACTIVITY_ROLE)
             self._label(item)
 
     def remove(self, session_id: int) -> None:

@@ -57,12 +57,12 @@ class LocalChatModel:
         reader = StreamParser(fmt) if body.uses_tools else None
         aborted = False
         while True:
+            if stop.is_set() and not aborted:
+                self.service.abort(rid)  # Finished(abort) follows
+                aborted = True
             try:
                 ev = events.get(timeout=0.1)
             except queue.Empty:
-                if stop.is_set() and not aborted:
-                    self.service.abort(rid)
-                    aborted = True
                 continue
             if isinstance(ev, TokenEvent) and ev.text:
                 shown = reader.feed(ev.text)[0] if reader else ev.text

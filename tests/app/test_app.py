@@ -21,14 +21,6 @@ PROMPTS = ["Tell me about rivers.", "Write a haiku on caches.", "What is 12 time
 TOKENS = 120
 
 
-@pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_chat_moe: Path) -> Path:
-    monkeypatch.setenv("BEVY_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("BEVY_MODELS_DIR", str(tmp_path / "models"))
-    (tmp_path / "models").mkdir()
-    return tiny_chat_moe
-
-
 def settings_for(model: Path, **overrides) -> dict:
     return {
         **DEFAULTS,
@@ -156,7 +148,7 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
 
 def test_escape_stops_only_the_current_session(qtbot, env: Path) -> None:
     w = open_window(qtbot, settings_for(env, max_tokens=3000))
-    a, b = w.new_session("chat"), w.new_session("agent")
+    a, b = w.new_session("chat"), w.new_session("chat")
     w.send("first", session_id=a)
     w.send("second", session_id=b)
     qtbot.waitUntil(lambda: all(w.controller.replies[s].tokens > 2 for s in (a, b)), timeout=60_000)
@@ -228,7 +220,7 @@ def test_restart_restores_sessions_and_messages(qtbot, env: Path) -> None:
     w.send("remember me", session_id=a)
     qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     w.rename_session(a, "Kept")
-    b = w.new_session("agent")
+    b = w.new_session("agent", str(env.parent / "agent-ws"))
     reply = w.store.messages(a)[-1].content
     close_window(w)
 
