@@ -332,7 +332,9 @@ class MainWindow(QMainWindow):
             self.title_label.setText(f"{s.title}  (chat)")
             return
         activity = self.controller.agents.activity(session_id)
-        self.title_label.setText(f"{s.title}  (coding agent{' · ' + activity if activity else ''})")
+        sandbox = "sandboxed" if api.isolation() == "bwrap" else "not sandboxed"
+        doing = f" · {activity}" if activity else ""
+        self.title_label.setText(f"{s.title}  (coding agent · {sandbox}{doing})")
         self.title_label.setToolTip(
             f"Workspace: {s.workspace}\nCommands are {api.describe_isolation()}."
         )
