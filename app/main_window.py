@@ -271,9 +271,22 @@ class MainWindow(QMainWindow):
             )
             self.status_engine.setText(f"{s['device']} · {s['storage']} · policy {s['policy']}")
         if snap is not None:
+            experts = (snap.slots_bytes + snap.working_set_bytes) / 2**30
+            memory = (
+                f" · memory {snap.rss_bytes / 2**30:.2f} GB (experts {experts:.2f} of "
+                f"{snap.cache_budget_bytes / 2**30:.2f} GB)"
+                if snap.rss_bytes
+                else ""
+            )
             self.status_speed.setText(
                 f"{snap.tokens_per_s:.1f} tok/s · hit {snap.hit_rate:.0%} · "
-                f"both busy {snap.both_busy_frac:.0%}"
+                f"both busy {snap.both_busy_frac:.0%}{memory}"
+            )
+            self.status_speed.setToolTip(
+                "Memory: the app's resident set. Experts: cache slots and decoded working "
+                "set, against the cache budget (Model → Settings → cache). Also held: "
+                f"dense weights {snap.dense_bytes / 2**20:.0f} MiB, "
+                f"KV caches {snap.kv_bytes / 2**20:.0f} MiB."
             )
 
     def _on_metrics(self, snap: MetricsSnapshot) -> None:

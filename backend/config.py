@@ -109,7 +109,9 @@ class EngineConfig:
     policy: str = "bevy"
     max_active: int = 16  # requests running at once; more wait in the admission queue
     kv_budget_mib: int = 2048
-    working_set_mib: int = 768  # stored slots: dequantized weights of recently used cached experts
+    # Stored slots: dequantized weights of recently used cached experts, held inside the
+    # cache budget (fewer slots). None or 0: none (what measured best; see the engine).
+    working_set_mib: int | None = None
     # What a cache slot holds: "stored" (the expert's quantized bytes; compute reads them
     # directly for few rows, else dequantizes on use with a small working set of decoded
     # experts) or "decoded" (weights dequantized once by the link as part of the fetch;
@@ -146,7 +148,7 @@ class EngineConfig:
             raise ValueError(
                 f"slot_format must be 'auto', 'stored' or 'decoded', got {self.slot_format!r}"
             )
-        if self.working_set_mib < 0:
+        if self.working_set_mib is not None and self.working_set_mib < 0:
             raise ValueError(f"working_set_mib must be >= 0, got {self.working_set_mib}")
         if self.kv_budget_mib < 1:
             raise ValueError(f"kv_budget_mib must be >= 1, got {self.kv_budget_mib}")

@@ -28,6 +28,10 @@ SLOT_NOTES = {
     "stored": "A cache slot holds one expert's stored (quantized) bytes. Compute reads them directly (a fused kernel for Q4_0/Q4_1 experts with few rows, on the CPU) or dequantizes them on use; either way it is counted as compute time.",
     "decoded": "A cache slot holds one expert's weights dequantized to the compute dtype; dequantization happens once per fetch and is counted as link time.",
 }
+MEMORY_NOTE = (
+    "peak MiB: the process's resident set at its highest during the run (the loaded model "
+    "and the runtime included; JSON also has peak_engine_mib, what the engine held)."
+)
 LINK_NOTE = "Link time: the read from the store (O_DIRECT from the model file for --storage ssd, a RAM copy for host), the decode if any, and the copy to the device on CUDA."
 
 
@@ -44,6 +48,7 @@ class BenchPlan:
     eviction: str = "lfu"
     slot_format: str = "auto"
     expert_backend: str = "auto"
+    working_set_mib: int = 0  # decoded experts kept, out of each cache fraction's budget
     keep_lanes: bool = False  # records carry each lane's busy intervals (compare view)
 
 
@@ -76,6 +81,7 @@ def run_once(
         metrics_interval_s=3600,
         slot_format=plan.slot_format,
         expert_backend=plan.expert_backend,
+        working_set_mib=plan.working_set_mib,
     )
     eng = Engine(model, cfg)
     short_switch_interval()  # as the engine thread runs in the app and `bevy serve`
@@ -86,8 +92,16 @@ def run_once(
         tokens: dict[str, list[int]] = {f"b{i}": [] for i in range(len(prompts))}
         mark = None
         t_start = time.perf_counter()
+        peak_rss = peak_engine = 0
+        n_steps = 0
         while eng.has_work:
             eng.step()
+            n_steps += 1
+            if n_steps % 8 == 1:  # reading the process's RSS costs ~10 us: not every step
+                mem = eng.memory()
+                peak_rss = max(peak_rss, mem["rss_bytes"])
+                held = mem["slots_bytes"] + mem["working_set_bytes"] + mem["kv_bytes"]
+                peak_engine = max(peak_engine, held + mem["dense_bytes"])
             while not eng.events.empty():
                 ev = eng.events.get()
                 if isinstance(ev, TokenEvent) and ev.token_id >= 0:
@@ -129,6 +143,12 @@ def run_once(
         / max(window["compute_busy_s"], window["link_busy_s"], 1e-9),
         "prefill_s": t0 - t_start,
         "cache_slots": eng.cache.n_slots,
+        # The process's peak resident set while this configuration ran (the loaded model
+        # and the Python runtime included), and the peak of what the engine itself held:
+        # cache slots, decoded working set, KV and dense weights.
+        "peak_rss_mib": peak_rss / 2**20,
+        "peak_engine_mib": peak_engine / 2**20,
+        "cache_budget_mib": eng.cache_budget_bytes / 2**20,
         "slot_format": eng.slot_format,
         "expert_backend": eng.expert_backend,
         "tokens": [tokens[f"b{i}"] for i in range(len(prompts))],
@@ -213,7 +233,7 @@ def _add_ratios(records: list[dict]) -> None:
 
 def format_tables(records: list[dict]) -> str:
     formats = sorted({r.get("slot_format", "stored") for r in records})
-    out = [SLOT_NOTES[f] for f in formats] + [LINK_NOTE, ""]
+    out = [SLOT_NOTES[f] for f in formats] + [LINK_NOTE, MEMORY_NOTE, ""]
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault(
@@ -233,6 +253,7 @@ def format_tables(records: list[dict]) -> str:
         "hit %",
         "unused pf %",
         "step/bound",
+        "peak MiB",
         "exact",
     )
     for (w, n, c, st, dev), rows in groups.items():
@@ -257,6 +278,7 @@ def format_tables(records: list[dict]) -> str:
                     if r["policy"].startswith("prefetch") or "prefetch" in r["policy"]
                     else "-",
                     f"{r['step_over_bound']:.2f}",
+                    f"{r.get('peak_rss_mib', 0):.0f}",
                     "yes" if r["tokens_identical_to_reference"] else "NO",
                 )
             )

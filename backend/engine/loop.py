@@ -25,6 +25,7 @@ from backend.engine import experts
 from backend.engine.cache import Claims, ExpertCache
 from backend.engine.fetcher import Fetcher
 from backend.engine.jobs import JobRunner
+from backend.engine.memory import rss_bytes
 from backend.engine.prefetch import Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, riders, split
@@ -88,11 +89,45 @@ class Engine:
         dtype = model.transformer.dtype
         slot_bytes = decoded_numel * dtype.itemsize if fmt == "decoded" else self.store.slot_bytes
         n_experts = c.n_routed_experts
-        n_slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
+        # The cache budget (``config.cache``) holds the slots and the decoded working set
+        # together: what the user sets is what the experts take.
+        budget_slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
+        self.cache_budget_bytes = budget_slots * slot_bytes
+        try:  # chosen before the slots exist: it decides what a slot holds
+            backend_name = experts.choose(
+                config.expert_backend,
+                model.experts,
+                dtype if fmt == "decoded" else torch.uint8,
+                device,
+                dtype,
+                use_native=config.native,
+                use_compile=config.compile,
+            )
+        except BevyError:
+            self.store.close()
+            raise
+        expert_bytes = decoded_numel * dtype.itemsize
+        # Decoded experts kept for reuse, taken out of the same budget. None by default: at
+        # an equal budget, slots bought more than decoded copies on every backend measured
+        # (docs/performance.md), as a prompt's job decodes each expert once for all its
+        # rows anyway and decoding reads stored bytes natively.
+        working_set = 0
+        if fmt == "stored" and config.working_set_mib:
+            working_set = (config.working_set_mib << 20) // expert_bytes
+        self.working_set_bytes = working_set * expert_bytes
+        self._expert_bytes = expert_bytes
+        self._dense_bytes = sum(t.numel() * t.element_size() for t in model.transformer.w.values())
+        n_slots = (self.cache_budget_bytes - self.working_set_bytes) // slot_bytes
         if n_slots < model.config.top_k:
             self.store.close()
+            held = (
+                f" after its {self.working_set_bytes >> 20} MiB working set"
+                if self.working_set_bytes
+                else ""
+            )
             raise ValueError(
-                f"a cache of {n_slots} slots is below the legal minimum of {model.config.top_k} (one token's experts)"
+                f"a cache of {n_slots} slots{held} is below the legal minimum of "
+                f"{model.config.top_k} (one token's experts)"
             )
         self.cache = ExpertCache(n_slots, config.eviction)
         self.claims = Claims(self.cache)
@@ -108,25 +143,15 @@ class Engine:
         self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._warm_up_decoders()
         self.telemetry = Telemetry()
-        # Stored slots keep a bounded set of recently decoded experts (see EagerExperts).
-        working_set = 0
-        if fmt == "stored":
-            working_set = (config.working_set_mib << 20) // (decoded_numel * dtype.itemsize)
-        try:
-            backend = experts.select(
-                config.expert_backend,
-                model.transformer,
-                model.experts,
-                self.cache,
-                self.slots,
-                self.layouts,
-                working_set,
-                use_native=config.native,
-                use_compile=config.compile,
-            )
-        except BevyError:
-            self.store.close()
-            raise
+        backend = experts.build(
+            backend_name,
+            model.transformer,
+            model.experts,
+            self.cache,
+            self.slots,
+            self.layouts,
+            working_set,
+        )
         self.expert_backend = backend.name
         self.jobs = JobRunner(model.transformer, backend)
         self.prefetcher = (
@@ -532,6 +557,17 @@ class Engine:
             self._last_metrics = now
             self._emit(self.snapshot(now))
 
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds for the model now, by part, and the process's RSS."""
+        return {
+            "rss_bytes": rss_bytes(),
+            "cache_budget_bytes": self.cache_budget_bytes,
+            "slots_bytes": self.cache.n_slots * self.slot_bytes,
+            "working_set_bytes": self.jobs.experts.n_decoded * self._expert_bytes,
+            "kv_bytes": sum(r.kv.nbytes for r in self.running if r.kv is not None),
+            "dense_bytes": self._dense_bytes,
+        }
+
     def runahead_state(self) -> str:
         if self.policy.lockstep:
             return "off"
@@ -581,4 +617,5 @@ class Engine:
             n_experts=self.model.config.n_experts,
             tokens_total=self.telemetry.n_tokens,
             expert_backend=self.expert_backend,
+            **self.memory(),
         )

@@ -79,7 +79,20 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache", default="0.3", help="expert cache: fraction, count or size")
+    p.add_argument(
+        "--cache",
+        default="0.3",
+        help="expert cache budget: fraction, count or size; it holds the cache slots and "
+        "the working set",
+    )
+    p.add_argument(
+        "--working-set",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="decoded experts kept for reuse, taken out of --cache (default 0: all slots; "
+        "helps concurrent prompts start sooner, at the cost of cached experts)",
+    )
     p.add_argument("--policy", default="bevy", help="scheduling policy")
     p.add_argument("--max-active", type=int, default=16, help="requests running at once")
     _add_store_args(p)
@@ -98,6 +111,7 @@ def _engine_config(args: argparse.Namespace):
             max_active=args.max_active,
             slot_format=args.slot_format,
             expert_backend=args.expert_backend,
+            working_set_mib=args.working_set,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None
@@ -137,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache", default="0.3", help="cache fractions of all experts, comma-separated"
     )
     bench.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
+    bench.add_argument(
+        "--working-set",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="decoded experts kept for reuse, taken out of each cache budget (default 0)",
+    )
     bench.add_argument("--repeats", type=int, default=1)
     _add_store_args(bench)
     bench.add_argument("--json", type=Path, default=None, help="write records to this JSON file")
@@ -386,6 +407,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             eviction=args.eviction,
             slot_format=args.slot_format,
             expert_backend=args.expert_backend,
+            working_set_mib=args.working_set,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None

@@ -406,6 +406,14 @@ class ApiServer:
                 "cache_used": s.cache_used,
                 "cache_pinned": s.cache_pinned,
                 "runahead": s.runahead,
+                "memory_mib": {
+                    "rss": s.rss_bytes / 2**20,
+                    "cache_budget": s.cache_budget_bytes / 2**20,
+                    "cache_slots": s.slots_bytes / 2**20,
+                    "working_set": s.working_set_bytes / 2**20,
+                    "kv": s.kv_bytes / 2**20,
+                    "dense_weights": s.dense_bytes / 2**20,
+                },
                 "snapshot_age_s": max(0.0, time.perf_counter() - s.t),
                 "requests": [
                     {

@@ -5,7 +5,8 @@
 - ``grouped``: a job's experts decoded and multiplied together (accelerators);
 - ``eager``: dequantize, then torch's matmuls: every device and block type.
 
-``auto`` takes the first that can run: grouped for stored slots on an accelerator, else
+``choose`` picks one before the cache slots exist (the engine sizes the decoded working
+set by it), ``build`` makes it over them. ``auto`` takes the first that can run: grouped for stored slots on an accelerator, else
 native, compiled, eager on the CPU. The choice is made once from the device, the slot
 format, the experts' block types and what builds, so no call tries one path after
 another; a backend asked for by name that cannot run here is an error saying why.
@@ -97,22 +98,22 @@ def why_not(
     raise ValueError(f"unknown expert backend {name!r} (known: {', '.join(EXPERT_BACKENDS)})")
 
 
-def select(
+def choose(
     requested: str,
-    t: Transformer,
     experts: list[list[ExpertRef]],
-    cache: ExpertCache,
-    slots: torch.Tensor,
-    layouts: dict,
-    working_set: int = 0,
+    slot_dtype: torch.dtype,
+    device: torch.device,
+    dtype: torch.dtype,
     use_native: bool = True,
     use_compile: bool = True,
-) -> EagerExperts:
-    """The backend ``requested`` ("auto" or a name), ready to run; BevyError if a named one
-    cannot run here."""
-    args = (experts, slots, t.dtype, use_native, use_compile)
+) -> str:
+    """The backend ``requested`` ("auto" or a name) for slots of ``slot_dtype`` on
+    ``device``, chosen before the slots exist (the engine sizes them by it); BevyError if
+    a named one cannot run here."""
+    probe = torch.empty(0, dtype=slot_dtype, device=device)
+    args = (experts, probe, dtype, use_native, use_compile)
     if requested == "auto":
-        order = ("grouped", "eager") if slots.device.type != "cpu" else ("native", "compiled")
+        order = ("grouped", "eager") if device.type != "cpu" else ("native", "compiled")
         name = next((n for n in order if why_not(n, *args) is None), "eager")
     else:
         reason = why_not(requested, *args)
@@ -120,4 +121,17 @@ def select(
             raise BevyError(f"expert backend {requested!r} cannot run here: {reason}")
         name = requested
     log.info("expert backend: %s (%s)", name, "chosen" if requested == "auto" else "requested")
+    return name
+
+
+def build(
+    name: str,
+    t: Transformer,
+    experts: list[list[ExpertRef]],
+    cache: ExpertCache,
+    slots: torch.Tensor,
+    layouts: dict,
+    working_set: int = 0,
+) -> EagerExperts:
+    """Backend ``name`` (from ``choose``) over these slots, ready to run."""
     return _CLASSES[name](t, experts, cache, slots, layouts, working_set)

@@ -54,6 +54,11 @@ class EagerExperts:
         self._decoded: OrderedDict[tuple[int, int], tuple[int, int, ExpertWeights]] = OrderedDict()
         self.n_refused = 0  # products the backend's kernels refused, computed eagerly
 
+    @property
+    def n_decoded(self) -> int:
+        """Experts held decoded in the working set now."""
+        return len(self._decoded)
+
     def refused(self, what: str) -> None:
         """The chosen kernels refused ``what`` although the start-up checks let them run:
         that product is computed eagerly (the same result, slower), warned about once,

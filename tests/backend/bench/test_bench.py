@@ -43,10 +43,14 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
         assert r["tokens_identical_to_reference"] is True
         assert 0 <= r["both_busy_frac"] <= 1 and 0 <= r["hit_rate"] <= 1
         assert r["step_over_bound"] >= 0.99  # nothing beats max(compute, link)
+        # memory: the process peak holds at least what the engine held, which the budget bounds
+        assert r["peak_rss_mib"] >= r["peak_engine_mib"] > 0
+        assert r["cache_budget_mib"] > 0
     sync = [r for r in records if r["policy"] == "sync"]
     assert all(r["ratio_to_sync"] == 1.0 for r in sync)
     table = format_tables(records)
     assert "agentic, 3 requests, cache 30%" in table and "stored (quantized) bytes" in table
+    assert "peak MiB" in table
     # benchmarks/targets.py reads these records: one verdict line per check, each config named
     assert all(r["eviction"] == "lfu" for r in records)
     text, _ = targets.report(records)

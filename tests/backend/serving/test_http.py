@@ -253,10 +253,15 @@ def test_stats_show_each_request_layer_and_metrics_are_prometheus(server: str) -
         while not any(q["id"] == rid and q["tokens"] > 0 for q in _stats(server)["requests"]):
             assert time.monotonic() < deadline
             next(lines)
-        mine = next(q for q in _stats(server)["requests"] if q["id"] == rid)
+        stats = _stats(server)
+        mine = next(q for q in stats["requests"] if q["id"] == rid)
         assert 0 <= mine["layer"] < mine["n_layers"] and mine["session"] == "api"
+        mem = stats["memory_mib"]  # what the engine holds, against its cache budget
+        assert mem["cache_slots"] + mem["working_set"] <= mem["cache_budget"]
+        assert mem["kv"] > 0 and mem["rss"] > mem["dense_weights"] > 0
     metrics = httpx.get(f"{server}/metrics", headers=headers).text
-    for name in ("cache_hit_rate", "both_busy_ratio", "tokens_per_second", "cache_pinned_slots"):
+    names = ("cache_hit_rate", "both_busy_ratio", "tokens_per_second", "cache_pinned_slots")
+    for name in (*names, "resident_memory_bytes", "cache_budget_bytes", "kv_cache_bytes"):
         assert f"# TYPE bevy_{name} gauge\nbevy_{name} " in metrics
     assert 'bevy_api_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
 

@@ -1,0 +1,74 @@
+"""One memory budget: the decoded working set is held inside the cache budget, and the
+engine reports what it holds (slots, working set, KV, dense weights) against it."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.config import EngineConfig, SamplingParams
+from backend.engine.loop import Engine
+from backend.kernels.quants import QType
+from backend.messages import Submit
+from backend.models.gguf_export import write_gguf
+from backend.models.loader import LoadedModel, load_model
+from tests.helpers.tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """Q8_0 experts: the native kernels take only Q4, so the eager backend runs them."""
+    root = tmp_path_factory.mktemp("memory")
+    tiny = load_model(make_tiny("mixtral", root / "mixtral"))
+    return load_model(write_gguf(tiny, root / "mixtral.q8.gguf", QType.Q8_0))
+
+
+def _engine(model: LoadedModel, **kw) -> Engine:
+    return Engine(model, EngineConfig(storage="host", **kw))
+
+
+def test_no_working_set_unless_asked_and_never_past_the_budget(model: LoadedModel) -> None:
+    n = model.config.n_routed_experts
+    eng = _engine(model, cache="1.0")
+    try:
+        assert eng.expert_backend == "eager"
+        assert eng.cache.n_slots == n and eng.working_set_bytes == 0
+        assert eng.cache_budget_bytes == n * eng.slot_bytes
+    finally:
+        eng.close()
+    # This tiny model's experts take under 1 MiB: a 1 MiB working set leaves no slot.
+    with pytest.raises(ValueError, match="working set is below the legal minimum"):
+        _engine(model, cache="1.0", working_set_mib=1)
+
+
+@pytest.fixture(scope="module")
+def demo() -> LoadedModel:
+    from backend.demo.build import ensure_demo
+
+    return load_model(ensure_demo(quiet=True))
+
+
+def test_an_asked_for_working_set_comes_out_of_the_budget_and_stays_in_it(demo) -> None:
+    plain = Engine(demo, EngineConfig(cache="0.3", expert_backend="eager"))
+    budget, slot, n_slots = plain.cache_budget_bytes, plain.slot_bytes, plain.cache.n_slots
+    plain.close()
+    eng = Engine(demo, EngineConfig(cache="0.3", expert_backend="eager", working_set_mib=64))
+    try:
+        assert eng.cache_budget_bytes == budget and n_slots * slot <= budget
+        assert 0 < eng.working_set_bytes <= 64 << 20
+        assert eng.cache.n_slots == (budget - eng.working_set_bytes) // slot < n_slots
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        for i in range(3):
+            eng.submit(Submit(f"r{i}", params, prompt_ids=[1, 2, 3 + i, 4, 5]))
+        peak_kv = 0
+        while eng.has_work:
+            eng.step()
+            mem = eng.memory()
+            assert mem["slots_bytes"] + mem["working_set_bytes"] <= mem["cache_budget_bytes"]
+            peak_kv = max(peak_kv, mem["kv_bytes"])
+        snap = eng.snapshot()
+        assert 0 < snap.working_set_bytes <= eng.working_set_bytes  # eager kept some
+        assert peak_kv > 0 and snap.kv_bytes == 0  # KV held while running, freed after
+        assert snap.dense_bytes > 0 and snap.rss_bytes > snap.dense_bytes
+        assert snap.cache_budget_bytes == budget
+    finally:
+        eng.close()
