@@ -28,6 +28,11 @@ class Grammar:
             raise ValueError("a grammar needs a non-empty source")
 
 
+# Stop strings a request may carry: matching costs the engine thread time per token.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 4096
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token. temperature 0 means greedy."""
@@ -60,8 +65,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOPS:
+            raise ValueError(f"stop takes at most {MAX_STOPS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters long")
 
     @property
     def greedy(self) -> bool:

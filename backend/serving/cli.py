@@ -180,6 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-queue", type=int, default=64, help="requests in flight before answering 429"
     )
+    serve.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests whose Host is NAME (loopback names and IP addresses "
+        "always are; '*' any name). Guards against DNS rebinding",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages at ORIGIN (e.g. http://myhost:3000) call the API from a "
+        "browser; loopback origins always may, '*' any origin",
+    )
     _add_engine_args(serve)
     demo = sub.add_parser(
         "demo", help="concurrent sample chats with live progress in the terminal (no GUI)"
@@ -446,7 +462,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # model-dependent limits (cache size) checked by the engine
         raise BevyError(str(exc)) from None
     try:
-        serve_forever(service, args.host, args.port, args.api_key, args.max_queue)
+        serve_forever(
+            service,
+            args.host,
+            args.port,
+            args.api_key,
+            args.max_queue,
+            allowed_hosts=tuple(args.allow_host),
+            cors_origins=tuple(args.cors_origin),
+        )
     finally:
         service.close()
     return 0

@@ -53,10 +53,13 @@ def start_server(
     api_key: str | None = None,
     max_queue: int = 64,
     log_level: str = "warning",
+    allowed_hosts: tuple[str, ...] = (),
+    cors_origins: tuple[str, ...] = (),
 ) -> ServerHandle:
     """Serve ``service`` on a background thread; returns once it accepts connections.
-    ``port=0`` picks a free port (see ``handle.port``)."""
-    api = ApiServer(service, api_key, max_queue)
+    ``port=0`` picks a free port (see ``handle.port``). ``allowed_hosts`` and
+    ``cors_origins``: Host names and browser origins beyond loopback ones (guard.py)."""
+    api = ApiServer(service, api_key, max_queue, allowed_hosts, cors_origins)
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
@@ -94,9 +97,19 @@ def serve_forever(
     api_key: str | None = None,
     max_queue: int = 64,
     announce: Callable[[str], None] = lambda line: print(line, flush=True),
+    allowed_hosts: tuple[str, ...] = (),
+    cors_origins: tuple[str, ...] = (),
 ) -> None:
     """``bevy serve``: serve until Ctrl-C or SIGTERM (call from the main thread)."""
-    handle = start_server(service, host, port, api_key, max_queue)
+    handle = start_server(
+        service,
+        host,
+        port,
+        api_key,
+        max_queue,
+        allowed_hosts=allowed_hosts,
+        cors_origins=cors_origins,
+    )
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     announce(f"Bevy API serving {service.model_name} at {handle.url}/v1 (Ctrl-C stops)")

@@ -69,8 +69,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict: "10" is not a number and true is not 10 (OpenAI refuses both too).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None  # None: the loaded model
     stream: bool = False
@@ -311,6 +315,14 @@ class ChatCompletionRequest(_GenerationRequest):
         for i, m in enumerate(self.messages):
             if not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{i}] has no role", param=f"messages.{i}.role")
+            if m["role"] not in ROLES:
+                raise ApiError(
+                    400,
+                    f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}",
+                    param=f"messages.{i}.role",
+                )
+            if m["role"] == "developer":  # OpenAI's newer name for the system prompt
+                m = {**m, "role": "system"}
             content = m.get("content")
             if isinstance(content, list):
                 parts = []

@@ -20,13 +20,14 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from backend.config import SamplingParams
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, Event, Finished, Submit, TokenEvent
 from backend.models.generate import chat_prompt_ids
-from backend.serving.guard import Guard
+from backend.serving.guard import LOOPBACK_ORIGIN, Guard
 from backend.serving.metrics_text import ApiCounters, render_metrics
 from backend.serving.openai_schema import (
     ApiError,
@@ -80,12 +81,25 @@ class _Call:
 
 async def _parse(request: Request, model: type[_Body]) -> _Body:
     """The JSON body as ``model``, whatever the Content-Type (curl -d sends a form type)."""
+    raw = await request.body()
     try:
-        data = json.loads(await request.body())
+        data = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    if b"\\u" in raw:  # only an escape can spell a lone surrogate in UTF-8 JSON
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
+            raise ApiError(
+                400, f"the body holds {bad}, an unpaired surrogate: it is not valid Unicode text"
+            ) from None
+        except RecursionError:
+            raise ApiError(400, "the body's JSON is nested too deeply") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -101,11 +115,19 @@ class ApiServer:
     """The FastAPI app serving one EngineService; ``app`` is the ASGI application."""
 
     def __init__(
-        self, service: EngineService, api_key: str | None = None, max_queue: int = 64
+        self,
+        service: EngineService,
+        api_key: str | None = None,
+        max_queue: int = 64,
+        allowed_hosts: tuple[str, ...] = (),
+        cors_origins: tuple[str, ...] = (),
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.service, self.api_key, self.max_queue = service, api_key or None, max_queue
+        # Beyond loopback names and IP addresses (guard.py): Host names and browser
+        # origins allowed to reach the API ("*": any).
+        self.allowed_hosts, self.cors_origins = tuple(allowed_hosts), tuple(cors_origins)
         self.counters = ApiCounters()
         self.created = int(time.time())
         self._reserved = 0  # admitted, still rendering the prompt: not yet in service.active
@@ -117,6 +139,15 @@ class ApiServer:
     def _build(self) -> FastAPI:
         app = FastAPI(title="Bevy", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_middleware(Guard, api=self)
+        # Outside the guard: preflights (which carry no key) are answered here, for the
+        # origins the guard lets through.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=[o for o in self.cors_origins if o != "*"],
+            allow_origin_regex=".*" if "*" in self.cors_origins else LOOPBACK_ORIGIN,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
         name = self.service.model_name
 
         @app.exception_handler(ApiError)

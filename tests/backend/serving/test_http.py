@@ -206,6 +206,52 @@ def test_bad_requests_get_clear_4xx_errors(client: openai.OpenAI, server: str) -
     assert exc.value.param == "tool_choice" and "'rm'" in exc.value.message
 
 
+@pytest.mark.parametrize(
+    "extra, status, needle",
+    [
+        ({"max_tokens": "10"}, 400, "max_tokens"),
+        ({"max_tokens": True}, 400, "max_tokens"),
+        ({"stream": "yes"}, 400, "stream"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "'wizard' is not one of"),
+        ({"messages": [{"role": "user", "content": "\ud800 hi"}]}, 400, "unpaired surrogate"),
+        ({"stop": ["x" * 5000]}, 400, "at most 4096 characters"),
+        ({"stop": ["s"] * 17}, 400, "at most 16 strings"),
+    ],
+)
+def test_malformed_fields_are_400s_that_say_why(server: str, extra, status, needle) -> None:
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, **extra}
+    r = httpx.post(  # json.dumps escapes a lone surrogate as \\ud800, as clients send it
+        f"{server}/v1/chat/completions",
+        content=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+def test_pathological_bodies_and_hostile_pages_are_refused(server: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(f"{server}/v1/chat/completions", content=deep, headers=auth, timeout=30)
+    assert r.status_code == 400 and "nested too deeply" in r.text
+
+    def upload():  # 40 MiB without a Content-Length: past the 32 MiB limit
+        for _ in range(40):
+            yield b" " * (1 << 20)
+
+    r = httpx.post(f"{server}/v1/chat/completions", content=upload(), headers=auth, timeout=60)
+    assert r.status_code == 413
+    rebound = {**auth, "Host": "attacker.example"}
+    r = httpx.post(f"{server}/v1/chat/completions", json={}, headers=rebound, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+    page = {"Origin": "http://evil.example", "Content-Type": "text/plain"}  # no key, no preflight
+    r = httpx.post(f"{server}/v1/chat/completions", content=b"{}", headers=page, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    lower = {"Authorization": f"bearer {KEY}"}
+    assert httpx.get(f"{server}/v1/models", headers=lower, timeout=30).status_code == 200
+    assert httpx.get(f"{server}/health", timeout=30).json()["status"] == "ok"
+
+
 def test_negative_seed_means_random_as_in_llama_cpp(client: openai.OpenAI) -> None:
     reply = _chat(client, seed=-1, temperature=0.8)
     assert reply.choices[0].finish_reason in ("stop", "length")
