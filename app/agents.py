@@ -12,7 +12,9 @@ and denies a pending call.
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 # What the sidebar and title say an agent is doing.
 THINKING, RUNNING, WAITING = "thinking", "running a tool", "waiting for approval"
 INTERRUPTED_RESULT = "error: interrupted (the app closed while this call ran)"
+log = logging.getLogger(__name__)
 
 
 def default_workspace() -> str:
@@ -125,7 +128,7 @@ class AgentSessions(QObject):
     activity_changed = Signal(int, str)  # session id, what it is doing ("" when idle)
     finished = Signal(int, str)  # session id, "done" | "stopped" | "error"
 
-    _event = Signal(int, object)  # from worker threads: session id, event
+    _event = Signal(int, object)  # from worker threads: session id, (its run, event)
 
     def __init__(self, controller: ChatController) -> None:
         super().__init__(controller)
@@ -156,6 +159,9 @@ class AgentSessions(QObject):
         if not bridge.ready:
             return "No model is loaded yet: agent sessions need one running"
         s = self.c.store.session(session_id)
+        if not s.workspace:  # made before agents had workspaces: give it one of its own
+            self.c.store.update_session(session_id, workspace=default_workspace())
+            s = self.c.store.session(session_id)
         try:
             workspace = api.Workspace(s.workspace)
             rules = api.Rules([api.Rule.parse(r) for r in s.rules])
@@ -175,7 +181,7 @@ class AgentSessions(QObject):
             workspace,
             rules=rules,
             approve=lambda call: self._wait_for_answer(session_id, run, call),
-            on_event=lambda ev: self._event.emit(session_id, ev),
+            on_event=lambda ev: self._event.emit(session_id, (run, ev)),
             messages=[{"role": "system", "content": system}, *history],
         )
         self.runs[session_id] = run
@@ -210,11 +216,13 @@ class AgentSessions(QObject):
             self.answer(session_id, "deny")
 
     def stop_all(self, wait_s: float = 5.0) -> None:
+        """Stop every loop and give them ``wait_s`` in all to end (app exit)."""
         for sid in list(self.runs):
             self.stop(sid)
+        deadline = time.monotonic() + wait_s
         for run in list(self.runs.values()):
             if run.thread is not None:
-                run.thread.join(wait_s)
+                run.thread.join(max(0.0, deadline - time.monotonic()))
 
     # --- the worker thread ----------------------------------------------------------------
 
@@ -222,11 +230,12 @@ class AgentSessions(QObject):
         try:
             run.agent.run(text)
         except Exception as exc:  # a bug in a tool or the loop: end the session's run, say why
-            self._event.emit(session_id, AgentFinished("error", f"the agent failed: {exc!r}"))
+            failed = AgentFinished("error", f"the agent failed: {exc!r}")
+            self._event.emit(session_id, (run, failed))
 
     def _wait_for_answer(self, session_id: int, run: _Run, call: PendingCall) -> str:
         run.answered.clear()
-        self._event.emit(session_id, call)
+        self._event.emit(session_id, (run, call))
         while not run.answered.wait(0.2):
             if run.agent.stopped:
                 return "deny"
@@ -234,15 +243,20 @@ class AgentSessions(QObject):
 
     # --- events, on the GUI thread ------------------------------------------------------
 
-    def _on_event(self, session_id: int, ev: object) -> None:
-        run = self.runs.get(session_id)
-        if run is None:
-            return  # the session was deleted while its loop was ending
+    def _on_event(self, session_id: int, item: tuple) -> None:
+        run, ev = item
+        if self.runs.get(session_id) is not run:
+            return  # a loop of a deleted session (its id may be a new session's now)
         try:
             self._apply(session_id, run, ev)
         except StoreError:  # deleted mid-run: stop the loop, drop its events
             run.agent.stop()
             self.runs.pop(session_id, None)
+            return
+        except Exception:  # a value the store refused (text that is not Unicode, ...)
+            log.exception("agent session %s: an event could not be saved", session_id)
+            if isinstance(ev, AgentFinished):
+                self._release(session_id, "error")
             return
         self.changed.emit(session_id)
 
@@ -301,8 +315,10 @@ class AgentSessions(QObject):
                 store.finish_message(mid, r.output, "done", data=data)
                 entry.update(content=r.output, status="done", data=data)
             if ev.approval == "always":  # the new rule holds for the session from now on
-                rules = [str(rule) for rule in run.agent.rules.rules]
-                store.update_session(sid, rules=rules)
+                saved = store.session(sid).rules  # as edited meanwhile, if it was
+                new = str(run.agent.rules.rules[-1])
+                if new not in saved:
+                    store.update_session(sid, rules=[*saved, new])
         elif isinstance(ev, AgentFinished):
             self._finish(sid, run, ev)
 
@@ -325,9 +341,17 @@ class AgentSessions(QObject):
             note = f"> **Error:** {ev.message}"
         elif ev.reason != "done":
             note = f"*{ev.message[:1].upper()}{ev.message[1:]}.*"
-        if note is not None:
-            msg = store.add_message(sid, "assistant", note, status=status, data={"note": ev.reason})
-            shown.append(shown_message(msg))
+        try:
+            if note is not None:
+                msg = store.add_message(
+                    sid, "assistant", note, status=status, data={"note": ev.reason}
+                )
+                shown.append(shown_message(msg))
+        finally:
+            self._release(sid, status)
+
+    def _release(self, sid: int, status: str) -> None:
+        """The session's loop is over: it is idle again, whatever was saved."""
         self.runs.pop(sid, None)
         self.activity_changed.emit(sid, "")
         self.approval_changed.emit(sid)

@@ -227,9 +227,16 @@ class Store:
                 f"understands ({SCHEMA_VERSION}); update Bevy"
             )
         for target in range(version + 1, SCHEMA_VERSION + 1):
-            with self.db.atomic():
-                self.db.executescript(MIGRATIONS[target - 1])
-                self.db.execute(f"PRAGMA user_version = {target}")
+            # One transaction per step, the version with it: executescript commits what
+            # came before and runs outside any transaction of ours, so the script holds
+            # its own (a crash in a step leaves the database at the step before).
+            script = f"BEGIN;\n{MIGRATIONS[target - 1]}\nPRAGMA user_version = {target};\nCOMMIT;"
+            try:
+                self.db.executescript(script)
+            except BaseException:
+                if self.db.conn.in_transaction:
+                    self.db.conn.rollback()
+                raise
 
     @property
     def schema_version(self) -> int:
@@ -275,12 +282,15 @@ class Store:
         system_prompt: str | None = None,
         sampling: dict[str, Any] | None = None,
         rules: list[str] | None = None,
+        workspace: str | None = None,
     ) -> Session:
-        """Change any of title, system prompt, sampling settings and (agent) rules; bumps
-        ``updated``."""
+        """Change any of title, system prompt, sampling settings and (agents) rules and
+        workspace; bumps ``updated``."""
         sets: dict[str, Any] = {"updated": self._clock()}
         if rules is not None:
             sets["rules"] = json.dumps(rules)
+        if workspace is not None:
+            sets["workspace"] = workspace
         if title is not None:
             sets["title"] = title
         if system_prompt is not None:

@@ -56,10 +56,19 @@ class NewAgentDialog(QDialog):
             self.path.setText(folder)
 
     def workspace(self) -> str:
-        return str(Path(self.path.text().strip()).expanduser())
+        """The folder as an absolute path (a relative one would follow the app's cwd)."""
+        return str(Path(self.path.text().strip()).expanduser().resolve())
 
     def _accept(self) -> None:
+        if not self.path.text().strip():
+            QMessageBox.warning(self, "Workspace", "Choose a folder for the agent to work in")
+            return
         folder = Path(self.workspace())
+        if folder == Path(folder.anchor) or folder == Path.home().resolve():
+            QMessageBox.warning(
+                self, "Workspace", f"{folder} is too broad for a workspace: pick a project folder"
+            )
+            return
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

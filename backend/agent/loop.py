@@ -10,6 +10,7 @@ ask about.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Callable
@@ -196,8 +197,7 @@ class Agent:
 
     def run(self, task: str) -> AgentFinished:
         """Work on ``task`` (a user message) until done; returns how it ended (also told
-        to ``on_event``)."""
-        self._stop.clear()
+        to ``on_event``). A stop asked for before this starts is kept: nothing runs."""
         self.messages.append({"role": "user", "content": task})
         last: list[str] = []
         repeats = 0
@@ -230,6 +230,8 @@ class Agent:
                 return self._end("done", reply.content)
             finished: str | None = None
             for call in reply.tool_calls:
+                if self.stopped:
+                    break  # the rest of the turn's calls do not run
                 name = call["function"]["name"]
                 result = self._handle(call)
                 if name == "finish" and result.ok:
@@ -256,7 +258,13 @@ class Agent:
         except ToolError as exc:
             self.on_event(CallProposed(call_id, name, raw, "deny"))
             return self._result(call_id, name, ToolResult(f"error: {exc}", ok=False), "refused")
-        permission = self.rules.decide(name, args)
+        # Rules see the path as it resolves ("src/../.git/x" is ".git/x"); a path that
+        # leads out is refused by the tool itself.
+        seen = args
+        if isinstance(args.get("path"), str):
+            with contextlib.suppress(ToolError, ValueError, OSError):
+                seen = {**args, "path": self.workspace.show(self.workspace.resolve(args["path"]))}
+        permission = self.rules.decide(name, seen)
         self.on_event(CallProposed(call_id, name, args, permission))
         approval = "rules"
         if permission == "deny":
@@ -269,7 +277,7 @@ class Agent:
             if self.stopped:
                 answer = "deny"
             if answer == "always":
-                self.rules.always(name, args)
+                self.rules.always(name, seen)
                 approval = "always"
             elif answer == "approve":
                 approval = "approved"

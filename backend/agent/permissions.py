@@ -29,7 +29,39 @@ DEFAULTS = {
 
 # Shell syntax that chains, pipes, redirects or substitutes commands.
 _CONTROL = re.compile(r"[;&|<>`\n]|\$\(")
-_SPLIT = re.compile(r"&&|\|\||[;&|\n()`]|\$\(")
+_SPLIT = re.compile(r"&&|\|\||[;&|\n(){}`]|\$\(")
+# Words before the command itself that a rule must look through ("then rm", "VAR=1 rm").
+_LEAD = re.compile(
+    r"^(?:(?:then|do|else|elif|if|while|until|!|time|exec|command|builtin|nohup|env|sudo)\s+"
+    r"|[A-Za-z_][A-Za-z0-9_]*=\S*\s+)+"
+)
+# Programs that run whatever their arguments say: "always" allows only the exact line.
+_RUNNERS = {
+    "bash",
+    "sh",
+    "zsh",
+    "dash",
+    "env",
+    "sudo",
+    "xargs",
+    "find",
+    "python",
+    "python3",
+    "perl",
+    "ruby",
+    "node",
+    "npx",
+    "eval",
+    "exec",
+    "nohup",
+    "timeout",
+    "watch",
+}
+
+
+def _words(command: str) -> str:
+    """A command with its whitespace collapsed and leading keywords and assignments off."""
+    return _LEAD.sub("", " ".join(command.split()))
 
 
 @dataclass(frozen=True)
@@ -82,12 +114,19 @@ class Rules:
         what = subject(tool, args)
         parts = [what]
         if tool == "run_command":
-            # A deny rule holds for every command a line chains or substitutes; an allow
-            # rule only for a line that is one plain command ("pytest *" must not let
-            # "pytest; rm -rf ~" through).
-            parts += [p.strip() for p in _SPLIT.split(what) if p.strip()]
-        if any(r.action == "deny" and r.matches(tool, p) for r in self.rules for p in parts):
-            return "deny"
+            # Best effort, not a shell parser: deny and ask rules hold for every command a
+            # line chains, groups or substitutes (keywords and assignments before it
+            # looked through); an allow rule only for a line that is one plain command
+            # ("pytest *" must not let "pytest; rm -rf ~" through).
+            what = _words(what)
+            parts = [what, *(_words(p) for p in _SPLIT.split(what) if p.strip())]
+        for action in ("deny", "ask"):
+            for r in self.rules:
+                if r.action == action and any(r.matches(tool, p) for p in parts):
+                    if action == "deny":
+                        return "deny"
+                    if self._more_specific_allow(tool, what, r) is None:
+                        return "ask"
         matching = [r for r in self.rules if r.matches(tool, what) and r.action != "deny"]
         if tool == "run_command" and _CONTROL.search(what):
             matching = [r for r in matching if r.action != "allow" or r.pattern == "*"]
@@ -95,15 +134,29 @@ class Rules:
             return max(matching, key=_specificity).action
         return DEFAULTS.get(tool, "ask")
 
+    def _more_specific_allow(self, tool: str, what: str, ask: Rule) -> Rule | None:
+        """An allow rule for the whole line more specific than ``ask`` (it then wins)."""
+        if tool == "run_command" and _CONTROL.search(what):
+            return None
+        allows = [r for r in self.rules if r.action == "allow" and r.matches(tool, what)]
+        best = max(allows, key=_specificity, default=None)
+        return best if best is not None and _specificity(best) > _specificity(ask) else None
+
     def always(self, tool: str, args: dict) -> Rule:
         """Allow calls like this one for the rest of the session; returns the new rule:
-        the same program for a command (``pytest *``), any file for a file tool."""
+        the same program for a command (``pytest *``; ``git status *``; the exact line for
+        shells, interpreters and programs that run others), any file for a file tool."""
         if tool == "run_command":
             try:
                 words = shlex.split(subject(tool, args))
             except ValueError:
                 words = subject(tool, args).split()
-            pattern = f"{words[0]} *" if words else "*"
+            if not words or words[0] in _RUNNERS or _CONTROL.search(subject(tool, args)):
+                pattern = _words(subject(tool, args))  # this exact line only
+            elif words[0] == "git" and len(words) > 1:
+                pattern = f"git {words[1]} *"  # one subcommand: "git status *", not git
+            else:
+                pattern = f"{words[0]} *"
         else:
             pattern = "*"
         rule = Rule(tool, pattern, "allow")

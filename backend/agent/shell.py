@@ -80,7 +80,11 @@ def _bwrap_args(workspace: Path) -> list[str]:
             args += ["--ro-bind", d, d]
     args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     ws = str(workspace)
-    return [*args, "--bind", ws, ws, "--chdir", ws]
+    args += ["--bind", ws, ws]
+    git = workspace / ".git"
+    if git.is_dir():  # hooks or config written there would run on the host, in git
+        args += ["--ro-bind", str(git), str(git)]
+    return [*args, "--chdir", ws]
 
 
 def _env(workspace: Path, sandboxed: bool) -> dict[str, str]:
@@ -141,12 +145,14 @@ def run_command(
     sandbox: bool | None = None,
     max_chars: int = MAX_OUTPUT_CHARS,
 ) -> CommandResult:
-    """Run ``command`` with ``bash -lc`` in ``workspace``. ``sandbox``: None uses
+    """Run ``command`` with bash in ``workspace``. ``sandbox``: None uses
     bubblewrap when it works here. The command's process group (its background jobs
     too) is killed when it ends, times out, or ``stop`` is set."""
     ws = Path(workspace).resolve()
     sandboxed = isolation() == "bwrap" if sandbox is None else sandbox
-    argv = ["bash", "-lc", command]
+    # No profile or rc files: a user's ~/.profile exports secrets, and in the sandbox
+    # (HOME = the workspace) a repository's own .profile would run before every command.
+    argv = ["bash", "--noprofile", "--norc", "-c", command]
     if sandboxed:
         argv = [*_bwrap_args(ws), *argv]
     t0 = time.monotonic()

@@ -4,6 +4,7 @@ running one call of them on a workspace."""
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -77,7 +78,12 @@ SPECS = [
         "Background processes are stopped when it ends.",
         {
             "command": {"type": "string"},
-            "timeout": {"type": "integer", "minimum": 1, "maximum": 3600, "description": "seconds"},
+            "timeout": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 3600,
+                "description": "seconds (at most the session's limit)",
+            },
         },
         ["command"],
     ),
@@ -166,7 +172,8 @@ class Toolbox:
                 r = shell.run_command(
                     args["command"],
                     ws.root,
-                    timeout_s=float(args.get("timeout") or self.timeout_s),
+                    # The model may ask for less time than the user allows, never more.
+                    timeout_s=min(float(args.get("timeout") or self.timeout_s), self.timeout_s),
                     stop=stop,
                     sandbox=self.sandbox,
                 )
@@ -185,4 +192,8 @@ class Toolbox:
             return ToolResult(
                 f"error: {exc.strerror or exc}", ok=False, seconds=time.monotonic() - t0
             )
+        except (ValueError, UnicodeError, subprocess.SubprocessError) as exc:
+            # A NUL byte in a path or command, text that is not Unicode, a tool timeout:
+            # the model is told, and the run goes on.
+            return ToolResult(f"error: {exc}", ok=False, seconds=time.monotonic() - t0)
         return ToolResult(f"error: there is no tool {name!r}", ok=False)

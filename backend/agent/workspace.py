@@ -27,10 +27,16 @@ class ToolError(Exception):
 
 class Workspace:
     def __init__(self, root: str | Path) -> None:
+        if not str(root).strip():
+            raise ToolError("no workspace folder is set")
         root = Path(root).expanduser()
+        if not root.is_absolute():
+            raise ToolError(f"the workspace {root} must be an absolute path")
         if not root.is_dir():
             raise ToolError(f"the workspace {root} is not a folder")
         self.root = root.resolve()
+        if self.root == Path(self.root.anchor) or self.root == Path.home().resolve():
+            raise ToolError(f"{self.root} is too broad for a workspace: pick a project folder")
 
     def resolve(self, path: str | None) -> Path:
         """``path`` (relative to the workspace, or absolute inside it) as a real path
@@ -141,7 +147,17 @@ class Workspace:
         if glob:
             cmd += ["--glob", glob]
         cmd += ["-e", pattern, "--", str(where)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=self.root)
+        try:
+            done = subprocess.run(
+                cmd,
+                capture_output=True,
+                encoding="utf-8",
+                errors="replace",
+                timeout=60,
+                cwd=self.root,
+            )
+        except subprocess.TimeoutExpired:
+            raise ToolError("the search took over 60 s; narrow the path or pattern") from None
         if done.returncode == 2 and not done.stdout:
             raise ToolError(f"search failed: {done.stderr.strip()[:300]}")
         root = f"{self.root}{os.sep}"
@@ -149,7 +165,13 @@ class Workspace:
 
     def _grep(self, rx: re.Pattern, where: Path, glob: str | None) -> list[str]:
         hits: list[str] = []
-        files = [where] if where.is_file() else [p for p in _walk(where, True) if p.is_file()]
+        # Symlinks are not followed (rg does not follow them either): one made by a command
+        # could point anywhere.
+        files = (
+            [where]
+            if where.is_file()
+            else [p for p in _walk(where, True) if p.is_file() and not p.is_symlink()]
+        )
         for file in files:
             if glob and not file.match(glob):
                 continue
@@ -171,9 +193,10 @@ class Workspace:
         file = self.resolve(path)
         if file.is_dir():
             raise ToolError(f"{path!r} is a folder")
-        before = file.read_text(encoding="utf-8", errors="replace") if file.exists() else None
+        before = _text(file) if file.exists() else None
         file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(content, encoding="utf-8")
+        with file.open("w", encoding="utf-8", newline="") as f:
+            f.write(content)
         name = self.show(file)
         diff = _diff(name, before or "", content, new=before is None)
         verb = "created" if before is None else "replaced"
@@ -189,7 +212,7 @@ class Workspace:
             raise ToolError(f"{path!r} does not exist; use write_file to create it")
         if not old:
             raise ToolError("old must not be empty")
-        before = file.read_text(encoding="utf-8", errors="replace")
+        before = _text(file)
         count = before.count(old)
         if count == 0:
             hint = " (it differs in whitespace)" if _squash(old) in _squash(before) else ""
@@ -202,10 +225,21 @@ class Workspace:
                 "surrounding lines to make it unique, or set replace_all"
             )
         after = before.replace(old, new) if replace_all else before.replace(old, new, 1)
-        file.write_text(after, encoding="utf-8")
+        with file.open("w", encoding="utf-8", newline="") as f:
+            f.write(after)
         name = self.show(file)
         n = count if replace_all else 1
         return f"edited {name} ({n} replacement{'s' if n > 1 else ''})", _diff(name, before, after)
+
+
+def _text(file: Path) -> str:
+    """A text file's content as it is (line endings kept); ToolError if it is not UTF-8,
+    as rewriting it would change bytes the edit never touched."""
+    try:
+        with file.open(encoding="utf-8", newline="") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise ToolError(f"{file.name} is not UTF-8 text; it is left as it is") from None
 
 
 def _through_symlink(root: Path, full: Path) -> bool:

@@ -93,7 +93,7 @@ class Engine:
         # together: what the user sets is what the experts take.
         budget_slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
         self.cache_budget_bytes = budget_slots * slot_bytes
-        try:  # chosen before the slots exist: it decides what a slot holds
+        try:  # before the slots are allocated: a backend that cannot run fails first
             backend_name = experts.choose(
                 config.expert_backend,
                 model.experts,

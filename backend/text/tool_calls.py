@@ -371,23 +371,31 @@ def lazy_call_grammar(tools: list[dict], syntax: Syntax, parallel: bool = True) 
         rules = (
             f'call: "\\n" %json {json.dumps(_call_schema(tools))} "\\n" {syntax.literal(closing)}\n'
         )
-    # Mistral's calls run to the end of the reply: at most one opening.
-    repeat = "*" if parallel and syntax.fmt == "hermes" else "?"
+    mistral = syntax.fmt == "mistral"
     # Text that never spells the opening tag: the reply may stop anywhere in it.
     free = f"/(.|\\n)*/ & ~/(.|\\n)*{_regex_literal(opening)}(.|\\n)*/"
     if opening in syntax.special:
         # The tag is one special token, which free text (bytes) cannot contain: free text
         # runs up to it, and the token itself is the trigger.
-        start = f"start: (TEXT? {syntax.literal(opening)} {body}){repeat} TEXT?\n"
+        tag = syntax.literal(opening)
+        if mistral:  # Mistral's calls run to the end of the reply: nothing after them
+            start = f"start: TEXT? ({tag} {body})?\n"
+        else:
+            start = f"start: (TEXT? {tag} {body}){'*' if parallel else '?'} TEXT?\n"
         return "%llguidance {}\n" + start + f"TEXT: {free}\n" + rules
     # Text up to and including the first opening tag, which ends it (the tag's text
     # stays in the reply); a token may run on past it into the call.
     tag = _regex_literal(opening)
+    if mistral:
+        start = f"start: TAIL | TEXT {body}\n"
+    else:
+        start = f"start: (TEXT {body}){'*' if parallel else '?'} TAIL\n"
     return (
         "%llguidance {}\n"
-        f"start: (TEXT {body}){repeat} TAIL\n"
-        f"TEXT: /(.|\\n)*{tag}/ & ~/(.|\\n)*{tag}(.|\\n)+/\n"
-        f"TAIL: {free}\n" + rules
+        + start
+        + f"TEXT: /(.|\\n)*{tag}/ & ~/(.|\\n)*{tag}(.|\\n)+/\n"
+        + f"TAIL: {free}\n"
+        + rules
     )
 
 

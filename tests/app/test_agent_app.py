@@ -163,3 +163,16 @@ def test_a_tool_run_cut_by_a_crash_is_marked_interrupted(qtbot, env: Path, tmp_p
         "content": agents_mod.INTERRUPTED_RESULT,
     }
     store.close()
+
+
+def test_an_agent_session_from_before_workspaces_gets_its_own(qtbot, env: Path, scripted) -> None:
+    w = open_window(qtbot, settings_for(env))
+    old = w.store.create_session("Old agent", "agent").id  # as schema 1 left it: no folder
+    w.reload_sessions()
+    w.sessions.select(old)
+    w.send("go", session_id=old)
+    ws = Path(w.store.session(old).workspace)
+    assert ws.is_dir() and ws.is_relative_to(agents_mod.data_dir())
+    w.stop_current()
+    qtbot.waitUntil(lambda: not w.controller.is_busy(old), timeout=30_000)
+    close_window(w)

@@ -5,8 +5,9 @@
 - ``grouped``: a job's experts decoded and multiplied together (accelerators);
 - ``eager``: dequantize, then torch's matmuls: every device and block type.
 
-``choose`` picks one before the cache slots exist (the engine sizes the decoded working
-set by it), ``build`` makes it over them. ``auto`` takes the first that can run: grouped for stored slots on an accelerator, else
+``choose`` picks one from what the slots will be (their dtype and device), so a backend
+that cannot run stops the engine before any slot is allocated; ``build`` makes it over
+them. ``auto`` takes the first that can run: grouped for stored slots on an accelerator, else
 native, compiled, eager on the CPU. The choice is made once from the device, the slot
 format, the experts' block types and what builds, so no call tries one path after
 another; a backend asked for by name that cannot run here is an error saying why.
@@ -108,8 +109,8 @@ def choose(
     use_compile: bool = True,
 ) -> str:
     """The backend ``requested`` ("auto" or a name) for slots of ``slot_dtype`` on
-    ``device``, chosen before the slots exist (the engine sizes them by it); BevyError if
-    a named one cannot run here."""
+    ``device``, chosen before the slots are allocated; BevyError if a named one cannot
+    run here."""
     probe = torch.empty(0, dtype=slot_dtype, device=device)
     args = (experts, probe, dtype, use_native, use_compile)
     if requested == "auto":

@@ -214,3 +214,51 @@ def test_a_failing_model_ends_the_loop_with_its_message(project: Workspace) -> N
 
     end = Agent(Down([]), project, sandbox=False).run("go")
     assert end.reason == "error" and "context is 8192" in end.message
+
+
+def test_rules_see_the_path_as_it_resolves(project: Workspace) -> None:
+    (project.root / "src").mkdir()
+    model = Scripted(
+        [
+            Reply(
+                "",
+                [call("write_file", 1, path="src/../.git/hooks/x", content="evil")],
+                "tool_calls",
+            ),
+            Reply("", [call("write_file", 2, path="src/ok.py", content="ok")], "tool_calls"),
+            Reply("done", [], "stop"),
+        ]
+    )
+    asked = []
+    agent = Agent(
+        model,
+        project,
+        rules=Rules([Rule.parse("allow write_file src/*")]),
+        approve=lambda c: asked.append(c.arguments["path"]) or "deny",
+        sandbox=False,
+    )
+    agent.run("go")
+    assert asked == ["src/../.git/hooks/x"]  # ".git/hooks/x" is not under src/: asked
+    assert (project.root / "src" / "ok.py").read_text() == "ok"
+    assert not (project.root / ".git").exists()
+
+
+def test_a_stop_before_the_run_starts_runs_nothing(project: Workspace) -> None:
+    model = Scripted([Reply("", [call("write_file", path="x", content="x")], "tool_calls")])
+    agent = Agent(model, project, sandbox=False)
+    agent.stop()
+    assert agent.run("go").reason == "stopped" and model.seen == []
+
+
+def test_bad_text_in_a_call_is_a_tool_error_not_a_crash(project: Workspace) -> None:
+    model = Scripted(
+        [
+            Reply("", [call("read_file", 1, path="a\0b")], "tool_calls"),
+            Reply("", [call("run_command", 2, command="echo \0")], "tool_calls"),
+            Reply("done", [], "stop"),
+        ]
+    )
+    agent = Agent(model, project, approve=lambda c: "approve", sandbox=False)
+    assert agent.run("go").reason == "done"
+    told = [m["content"] for m in agent.messages if m["role"] == "tool"]
+    assert all(t.startswith("error:") for t in told)

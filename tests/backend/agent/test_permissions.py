@@ -54,12 +54,40 @@ def test_an_allow_rule_never_covers_a_chained_command(line: str, expected: str) 
 
 def test_always_allows_the_same_program_for_the_session() -> None:
     rules = Rules()
-    rule = rules.always("run_command", cmd("python -m pytest -q"))
-    assert str(rule) == "allow run_command python *"
-    assert rules.decide("run_command", cmd("python other.py")) == "allow"
+    assert str(rules.always("run_command", cmd("pytest -q tests"))) == "allow run_command pytest *"
+    assert rules.decide("run_command", cmd("pytest -x")) == "allow"
     assert rules.decide("run_command", cmd("bash x.sh")) == "ask"
+    # Programs that run whatever they are told get the exact line, git one subcommand.
+    assert str(rules.always("run_command", cmd("python -m pytest"))) == (
+        "allow run_command python -m pytest"
+    )
+    assert rules.decide("run_command", cmd("python -c 'import os'")) == "ask"
+    assert str(rules.always("run_command", cmd("git status"))) == "allow run_command git status *"
+    assert rules.decide("run_command", cmd("git push")) == "ask"
     rules.always("edit_file", {"path": "a.py"})
     assert rules.decide("edit_file", {"path": "b/c.py"}) == "allow"
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("true && git push origin", "ask"),  # the ask rule holds for a chained part
+        ("git  push", "ask"),  # whitespace does not hide it
+        ("if :; then rm -rf x; fi", "deny"),  # nor shell keywords
+        ("FOO=1 rm -rf x", "deny"),  # nor assignments
+        ("{ rm -rf x; }", "deny"),
+        ("git status", "allow"),
+    ],
+)
+def test_rules_look_through_shell_spelling(line: str, expected: str) -> None:
+    rules = Rules(
+        [
+            Rule.parse("allow run_command *"),
+            Rule.parse("ask run_command git push*"),
+            Rule.parse("deny run_command rm *"),
+        ]
+    )
+    assert rules.decide("run_command", cmd(line)) == expected
 
 
 def test_bad_rules_are_refused() -> None:

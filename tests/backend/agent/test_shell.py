@@ -134,3 +134,22 @@ def _all_cmdlines() -> str:
             with contextlib.suppress(OSError):
                 out.append((p / "cmdline").read_bytes().replace(b"\0", b" ").decode())
     return "\n".join(out)
+
+
+def test_no_profile_runs_before_a_command(tmp_path: Path, monkeypatch) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    for name in (".bash_profile", ".profile", ".bashrc"):
+        (home / name).write_text("echo PROFILE_RAN\n")
+    monkeypatch.setenv("HOME", str(home))
+    assert "PROFILE_RAN" not in run_command("echo hi", home, sandbox=False).output
+    if shell.isolation() == "bwrap":  # there HOME is the workspace: its own files
+        assert "PROFILE_RAN" not in run_command("echo hi", home, sandbox=True).output
+
+
+@needs_bwrap
+def test_under_bubblewrap_the_workspace_git_folder_is_read_only(tmp_path: Path) -> None:
+    (tmp_path / ".git" / "hooks").mkdir(parents=True)
+    r = run_command("echo evil > .git/hooks/pre-commit; echo ok > file.txt", tmp_path, sandbox=True)
+    assert not (tmp_path / ".git" / "hooks" / "pre-commit").exists()
+    assert (tmp_path / "file.txt").read_text() == "ok\n" and "Read-only" in r.output

@@ -101,3 +101,29 @@ def _error(fn, *args, **kwargs) -> str:
     with pytest.raises(ToolError) as exc:
         fn(*args, **kwargs)
     return str(exc.value)
+
+
+@pytest.mark.parametrize("root", ["", "relative/dir", "/", "~"])
+def test_a_workspace_must_be_a_real_project_folder(root: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "relative" / "dir").mkdir(parents=True)
+    with pytest.raises(ToolError):
+        Workspace(root)
+
+
+def test_edits_keep_line_endings_and_refuse_text_that_is_not_utf8(ws: Workspace) -> None:
+    (ws.root / "dos.txt").write_bytes(b"one\r\ntwo\r\n")
+    ws.edit_file("dos.txt", "two", "2")
+    assert (ws.root / "dos.txt").read_bytes() == b"one\r\n2\r\n"
+    (ws.root / "latin1.txt").write_bytes(b"caf\xe9\n")
+    assert "not UTF-8" in _error(ws.edit_file, "latin1.txt", "caf", "tea")
+    assert (ws.root / "latin1.txt").read_bytes() == b"caf\xe9\n"
+
+
+def test_the_python_search_does_not_follow_symlinks_out(
+    ws: Workspace, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(ws_mod.shutil, "which", lambda name: None)
+    (tmp_path / "key").write_text("SECRET-KEY\n")
+    os.symlink(tmp_path / "key", ws.root / "k")
+    assert ws.search("SECRET").startswith("no matches")

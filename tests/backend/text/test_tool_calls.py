@@ -345,3 +345,14 @@ def test_a_body_not_written_name_first_comes_whole() -> None:
     assert p.partial() is None
     _, calls = p.feed("\n</tool_call>")
     assert calls[0].name == "f" and json.loads(calls[0].arguments) == {"a": 1}
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_a_mistral_reply_ends_with_its_calls(tok, special_tok, special: bool) -> None:
+    t = special_tok if special else tok
+    syntax = tool_syntax(MISTRAL_T, t.special_id)
+    spec = Grammar("lark", lazy_call_grammar([WEATHER], syntax))
+    call = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]'
+    m = Matcher(t, t.vocab_size, spec)
+    assert _run(m, t.encode(call))
+    assert m.done or not _run(m, t.encode(" and more"))  # the parser would drop the call
