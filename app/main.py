@@ -17,25 +17,50 @@ def has_display() -> bool:
     )
 
 
+def instance_lock(folder):
+    """The data dir's lock, held while this app runs; None if another app holds it.
+
+    One app per data dir: a second one would mark the first one's streaming replies
+    interrupted at start and write beside it. QLockFile stores the holder's PID and
+    takes over a lock whose holder died."""
+    from PySide6.QtCore import QLockFile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = QLockFile(str(folder / "bevy.lock"))
+    lock.setStaleLockTime(0)  # stale only when its process is gone, however old
+    return lock if lock.tryLock(0) else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    from PySide6.QtWidgets import QApplication
+    from PySide6.QtWidgets import QApplication, QMessageBox
 
     from app.main_window import MainWindow
-    from app.store import Store, StoreError
+    from app.store import Store, StoreError, data_dir
 
     app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
     app.setApplicationName("Bevy")
     app.setOrganizationName("Bevy Desktop")
+    lock = instance_lock(data_dir())
+    if lock is None:
+        text = (
+            f"Bevy is already running with this data folder ({data_dir()}). "
+            "Switch to its window; a second copy would write into the same conversations."
+        )
+        print(f"bevy: error: {text}", file=sys.stderr)
+        QMessageBox.warning(None, "Bevy is already running", text)
+        return 1
     try:
         store = Store()
     except StoreError as exc:
         print(f"bevy: error: {exc}", file=sys.stderr)
+        lock.unlock()
         return 2
     window = MainWindow(store)
     window.show()
     window.start_engine()
     code = app.exec()
     store.close()
+    lock.unlock()
     return code
 
 

@@ -101,6 +101,9 @@ class Finished:
 class ErrorEvent:
     request_id: str | None  # None: the engine itself failed
     message: str
+    # The server's fault (an expert read failed, the engine died), not the request's:
+    # an API answers 500, and the service reports itself degraded for a while.
+    server: bool = False
 
 
 Event = TokenEvent | MetricsSnapshot | Finished | ErrorEvent

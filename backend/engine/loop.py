@@ -241,7 +241,7 @@ class Engine:
             while not self._stopped:
                 self.step(block=True)
         except Exception as exc:  # the engine itself failed: tell every client
-            self._emit(ErrorEvent(None, f"engine failed: {exc!r}"))
+            self._emit(ErrorEvent(None, f"engine failed: {exc!r}", server=True))
             raise
 
     def step(self, block: bool = False) -> bool:
@@ -287,7 +287,7 @@ class Engine:
         if isinstance(msg, _FetchDone):
             if msg.error is not None:
                 for r in self.claims.cancel(msg.key, list(self.running)):
-                    self._emit(ErrorEvent(r.id, msg.error))
+                    self._emit(ErrorEvent(r.id, msg.error, server=True))
                     self._finish(r, "error")
             else:
                 self.layouts[msg.key] = msg.layout

@@ -66,9 +66,12 @@ class _Call:
             ev = await self._queue.get()
             if isinstance(ev, ErrorEvent):
                 self.ended = True
-                # Before any token an error is the request's fault (the engine validates it).
-                ours = self.service.failure is not None or self.tokens > 0
-                raise ApiError(500 if ours else 400, ev.message)
+                # Before any token an error is the request's fault (the engine validates
+                # it), unless the engine says it is its own (an expert read failed).
+                ours = ev.server or self.service.failure is not None or self.tokens > 0
+                if ours:
+                    raise ApiError(500, ev.message, code="server_error")
+                raise ApiError(400, ev.message)
             if isinstance(ev, Finished):
                 self.ended = True
                 if ev.reason == "abort":
@@ -167,7 +170,9 @@ class ApiServer:
         @app.get("/health")
         async def health() -> Response:
             failure = self.service.failure
-            body = {"status": "error" if failure else "ok", "model": name, "error": failure}
+            degraded = None if failure else self.service.degraded()
+            status = "error" if failure else "degraded" if degraded else "ok"
+            body = {"status": status, "model": name, "error": failure or degraded}
             return JSONResponse(body, 503 if failure else 200)
 
         @app.get("/v1/models")

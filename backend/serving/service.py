@@ -13,6 +13,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def open_model(path: str | Path, device: str = "cpu", progress: Progress | None 
     return model
 
 
+DEGRADED_S = 60.0  # how long a server-side failure keeps /health "degraded"
+
+
 class EngineService:
     """Owns a running Engine and routes its events; thread-safe."""
 
@@ -67,6 +71,8 @@ class EngineService:
         self._ids = itertools.count(1)
         self.latest: MetricsSnapshot | None = None
         self.failure: str | None = None  # set when the engine thread itself died
+        # (monotonic time, message) of the latest request failed by the server's fault
+        self.last_server_error: tuple[float, str] | None = None
         self._closed = False
         self.engine.start()
         self._thread = threading.Thread(target=self._dispatch, name="bevy-events", daemon=True)
@@ -104,6 +110,15 @@ class EngineService:
     def abort(self, request_id: str) -> None:
         """Stop a request; its listener still receives ``Finished(reason="abort")``."""
         self.engine.submit(Abort(request_id))
+
+    def degraded(self, window_s: float = DEGRADED_S) -> str | None:
+        """Why the service is degraded: a request failed by the server's fault (an expert
+        that cannot be read, say) in the last ``window_s``; None otherwise. Nothing can
+        test the cause again on its own, so the state ends once it stops recurring."""
+        last = self.last_server_error
+        if last is None or time.monotonic() - last[0] > window_s:
+            return None
+        return last[1]
 
     @property
     def active(self) -> int:
@@ -175,6 +190,8 @@ class EngineService:
             elif isinstance(ev, ErrorEvent) and ev.request_id is None:
                 self._fail_all(ev.message)  # the engine died: every open request ends
             else:
+                if isinstance(ev, ErrorEvent) and ev.server:
+                    self.last_server_error = (time.monotonic(), ev.message)
                 terminal = isinstance(ev, Finished | ErrorEvent)
                 with self._lock:
                     pop = self._listeners.pop if terminal else self._listeners.get
@@ -188,7 +205,7 @@ class EngineService:
             listeners, self._listeners = self._listeners, {}
             failure_listeners = list(self._failure_listeners)
         for rid, listener in listeners.items():
-            _call(listener, ErrorEvent(rid, message))
+            _call(listener, ErrorEvent(rid, message, server=True))
         for f in failure_listeners:
             _call(f, message)
 
@@ -206,7 +223,7 @@ class EngineService:
         with self._lock:
             listeners, self._listeners = self._listeners, {}
         for rid, listener in listeners.items():  # queued Submits the engine never saw
-            _call(listener, ErrorEvent(rid, "the engine is shut down"))
+            _call(listener, ErrorEvent(rid, "the engine is shut down", server=True))
 
 
 def _call(listener: Callable, arg: object) -> None:
