@@ -189,14 +189,17 @@ class Bridge(QObject):
         params: SamplingParams,
         session: str = "",
         tools: list[dict] | None = None,
+        overflow: str = "error",
     ) -> str | None:
-        """Queue a reply; returns its request id, or None when no engine is loaded."""
+        """Queue a reply; returns its request id, or None when no engine is loaded.
+        ``overflow``: what a chat longer than the context does (``Submit.overflow``)."""
         if self.service is None:
             return None
         rid = self.service.new_id("app")
-        self.service.submit(
-            Submit(rid, params, messages=messages, tools=tools, session=session), self._event.emit
+        msg = Submit(
+            rid, params, messages=messages, tools=tools, session=session, overflow=overflow
         )
+        self.service.submit(msg, self._event.emit)
         return rid
 
     def abort(self, request_id: str) -> None:

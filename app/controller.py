@@ -26,7 +26,10 @@ from app.settings import sampling
 from app.store import Session, Store, StoreError
 from backend.api import Finished
 
-NEW_TITLES = {"chat": "New chat", "agent": "New agent session"}  # replaced by the first message
+NEW_TITLES = {"chat": "New chat", "agent": "New agent session"}
+# A chat that outgrows the context drops its oldest turns (the system prompt stays), as
+# LM Studio's default; a session can choose otherwise (Session settings).
+DEFAULT_OVERFLOW = "rolling"  # replaced by the first message
 TITLE_CHARS = 48  # a session's automatic title: the start of its first message
 
 
@@ -220,7 +223,8 @@ class ChatController(QObject):
         except ValueError as exc:
             self._end_reply(reply, "error", f"Invalid sampling settings: {exc}")
             return
-        rid = self.bridge.submit(reply.history, params, session=s.title)
+        overflow = (s.sampling or {}).get("context_overflow", DEFAULT_OVERFLOW)
+        rid = self.bridge.submit(reply.history, params, session=s.title, overflow=overflow)
         reply.request_id = rid
         self.by_request[rid] = reply
 
@@ -250,6 +254,13 @@ class ChatController(QObject):
         if reply is None:
             return
         status = {"abort": "stopped", "error": "error"}.get(ev.reason, "done")
+        if ev.dropped_messages:  # the view says where the model's view of the chat began
+            data = {"dropped": ev.dropped_messages}
+            with suppress(StoreError):
+                self.store.set_message_data(reply.message_id, data)
+            shown = self.messages.get(reply.session_id)
+            if shown:
+                shown[-1]["data"] = data
         self._end_reply(reply, status, None, ev.text, ev.prompt_tokens, ev.completion_tokens)
 
     def _on_failed(self, request_id: str, message: str) -> None:

@@ -17,6 +17,9 @@ class Submit:
     prompt_ids: list[int] | None = None  # or pre-tokenized input (exactly one of the two)
     tools: list[dict] | None = None
     session: str = ""  # label for progress views
+    # A chat longer than the context: "error", or leave out turns ("rolling" keeps the
+    # system prompt, "truncate_middle" the first turn too; models.generate.fit_chat).
+    overflow: str = "error"
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     token_ids: tuple[int, ...] = ()
+    dropped_messages: int = 0  # left out of the prompt to fit the context (Submit.overflow)
 
 
 @dataclass(frozen=True)

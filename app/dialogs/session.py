@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import (
     QCheckBox,
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
@@ -23,6 +24,11 @@ from PySide6.QtWidgets import (
 from app.store import Session
 from backend import api
 
+OVERFLOW_CHOICES = (
+    ("rolling", "Drop the oldest turns (keep the system prompt)"),
+    ("truncate_middle", "Drop turns from the middle (keep the first one)"),
+    ("error", "Stop with an error"),
+)
 RULES_HELP = (
     "One rule per line: allow | ask | deny, a tool (or *), a glob pattern matched against "
     "the command or path. E.g. 'allow run_command pytest *', 'deny run_command rm *', "
@@ -55,6 +61,13 @@ class SessionSettingsDialog(QDialog):
             tick.toggled.connect(box.setEnabled)
             self.overrides[key] = tick
             form.addRow(tick, box)
+        self.overflow = QComboBox()
+        for key, text in OVERFLOW_CHOICES:
+            self.overflow.addItem(text, key)
+        self.overflow.setCurrentIndex(
+            max(0, self.overflow.findData(own.get("context_overflow", "rolling")))
+        )
+        form.addRow("When the chat outgrows the context", self.overflow)
         self.rules: QPlainTextEdit | None = None
         if session.kind == "agent":
             form.addRow("Workspace", QLabel(session.workspace))
@@ -93,4 +106,5 @@ class SessionSettingsDialog(QDialog):
         sampling = {
             k: self.fields[k].value() for k, tick in self.overrides.items() if tick.isChecked()
         }
+        sampling["context_overflow"] = self.overflow.currentData()
         return self.prompt.toPlainText().strip(), sampling, self.rule_lines()

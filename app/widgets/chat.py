@@ -110,6 +110,12 @@ def conversation_markdown(messages: list[dict], expanded: set | frozenset = froz
             continue
         if m["role"] == "assistant" and data.get("tool_calls") and not m.get("content"):
             continue  # a turn that only called tools: its cards follow
+        if data.get("dropped"):
+            n = data["dropped"]
+            parts.append(
+                f"*⋯ {n} earlier message{'s' if n > 1 else ''} no longer fit the model's "
+                "context and were left out of what it read for this reply.*"
+            )
         label = f"**{ROLE_LABELS.get(m['role'], m['role'])}**"
         note = STATUS_NOTES.get(m.get("status", "done"))
         if note:

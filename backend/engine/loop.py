@@ -43,7 +43,7 @@ from backend.messages import (
     Submit,
     TokenEvent,
 )
-from backend.models.generate import chat_prompt_ids
+from backend.models.generate import fit_chat
 from backend.models.loader import LoadedModel
 from backend.models.transformer import KVCache
 from backend.text.grammar import Matcher
@@ -307,14 +307,16 @@ class Engine:
                 raise BevyError(f"request id {msg.request_id!r} is already in use")
             if (msg.messages is None) == (msg.prompt_ids is None):
                 raise BevyError("give exactly one of messages or prompt_ids")
-            ids = (
-                list(msg.prompt_ids)
-                if msg.prompt_ids is not None
-                else chat_prompt_ids(self.model, msg.messages, msg.tools)
-            )
+            ctx = self.model.config.context_length
+            dropped = 0
+            if msg.prompt_ids is not None:
+                ids = list(msg.prompt_ids)
+            else:
+                # Room for at least one generated token (and the reply where it fits).
+                room = ctx - 1 - min(msg.params.max_tokens, ctx // 4)
+                ids, dropped = fit_chat(self.model, msg.messages, msg.tools, room, msg.overflow)
             if not ids:
                 raise BevyError("the prompt is empty")
-            ctx = self.model.config.context_length
             if len(ids) >= ctx:
                 raise BevyError(f"the prompt has {len(ids)} tokens; the model's context is {ctx}")
             vocab = self.model.config.vocab_size
@@ -335,6 +337,7 @@ class Engine:
             self._emit(ErrorEvent(msg.request_id, str(exc)))
             return
         r = Request(msg.request_id, ids, msg.params, session=msg.session, grammar=grammar)
+        r.dropped_messages = dropped
         r.generator = make_generator(msg.params)
         r.decoder = tok.stream_decoder() if tok is not None else None
         r.stops = StopMatcher(msg.params.stop)
@@ -542,7 +545,13 @@ class Engine:
         self._ids.discard(r.id)
         self._emit(
             Finished(
-                r.id, reason, "".join(r.text), len(r.prompt_ids), len(r.out_ids), tuple(r.out_ids)
+                r.id,
+                reason,
+                "".join(r.text),
+                len(r.prompt_ids),
+                len(r.out_ids),
+                tuple(r.out_ids),
+                r.dropped_messages,
             )
         )
 

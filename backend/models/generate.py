@@ -56,6 +56,55 @@ def chat_prompt_ids(
     return ids
 
 
+OVERFLOW_POLICIES = ("error", "rolling", "truncate_middle")
+
+
+def fit_chat(
+    model: LoadedModel,
+    messages: list[dict],
+    tools: list[dict] | None,
+    limit: int,
+    policy: str = "error",
+) -> tuple[list[int], int]:
+    """The prompt ids of ``messages`` in at most ``limit`` tokens, and how many messages
+    were left out for it. ``policy``: "error" leaves none out; "rolling" drops the oldest
+    turns after the system prompt; "truncate_middle" keeps the first turn too and drops
+    the ones after it. A turn goes whole (a user message and what answered it), so
+    templates that require user/assistant order still get it; the last user message is
+    never dropped."""
+    if policy not in OVERFLOW_POLICIES:
+        raise BevyError(f"context overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}")
+    ids = chat_prompt_ids(model, messages, tools)
+    if len(ids) <= limit or policy == "error":
+        return ids, 0
+    head = 0
+    while head < len(messages) and messages[head].get("role") == "system":
+        head += 1
+    keep = list(messages[:head])
+    rest = list(messages[head:])
+    if policy == "truncate_middle" and rest:
+        first_turn = _turn_end(rest, 0)
+        keep += rest[:first_turn]
+        rest = rest[first_turn:]
+    dropped = 0
+    while len(ids) > limit:
+        cut = _turn_end(rest, 0)
+        if cut >= len(rest) or not any(m.get("role") == "user" for m in rest[cut:]):
+            break  # only the last turn is left: it cannot be dropped
+        rest = rest[cut:]
+        dropped += cut
+        ids = chat_prompt_ids(model, keep + rest, tools)
+    return ids, dropped
+
+
+def _turn_end(messages: list[dict], start: int) -> int:
+    """Where the turn beginning at ``start`` ends: the next user message after it."""
+    i = start + 1
+    while i < len(messages) and messages[i].get("role") != "user":
+        i += 1
+    return i
+
+
 @torch.inference_mode()
 def generate(
     model: LoadedModel,

@@ -12,7 +12,7 @@ from typing import Any
 from backend.agent.loop import Reply
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, Finished, Submit, TokenEvent
-from backend.models.generate import chat_prompt_ids
+from backend.models.generate import fit_chat
 from backend.serving.openai_schema import ApiError, ChatCompletionRequest
 from backend.serving.service import EngineService
 from backend.text.tool_calls import StreamParser, parse, tool_syntax
@@ -46,7 +46,15 @@ class LocalChatModel:
                 messages=messages, tools=tools or None, tool_choice=tool_choice, **self.sampling
             )
             params = body.params(self.syntax)
-            ids = chat_prompt_ids(self.service.model, body.chat_messages(fmt), body.chat_tools(fmt))
+            ctx = self.service.model.config.context_length
+            room = ctx - 1 - min(params.max_tokens, ctx // 4)
+            ids, _ = fit_chat(
+                self.service.model,
+                body.chat_messages(fmt),
+                body.chat_tools(fmt),
+                room,
+                body.context_overflow or "error",
+            )
         except ApiError as exc:
             raise BevyError(exc.message) from None
         except ValueError as exc:  # the chat template refused the conversation

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -141,6 +141,10 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # Extension: a chat longer than the context leaves turns out instead of failing
+    # ("rolling": the oldest after the system prompt; "truncate_middle": those after the
+    # first turn). Default: OpenAI's error.
+    context_overflow: Literal["error", "rolling", "truncate_middle"] | None = None
 
     def params(self, syntax: Syntax) -> SamplingParams:
         """Sampling settings; ``syntax``: how the model writes calls (``tool_syntax``)."""

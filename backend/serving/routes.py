@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from backend.config import SamplingParams
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, Event, Finished, Submit, TokenEvent
-from backend.models.generate import chat_prompt_ids
+from backend.models.generate import fit_chat
 from backend.serving.guard import LOOPBACK_ORIGIN, Guard
 from backend.serving.metrics_text import ApiCounters, render_metrics
 from backend.serving.openai_schema import (
@@ -193,7 +193,10 @@ class ApiServer:
             fmt = syntax.fmt
             params = body.params(syntax)
             messages, tools = body.chat_messages(fmt), body.chat_tools(fmt)
-            call = await self._start("chatcmpl", params, lambda: self._chat_ids(messages, tools))
+            overflow = body.context_overflow or "error"
+            call = await self._start(
+                "chatcmpl", params, lambda: self._chat_ids(messages, tools, overflow, params)
+            )
             reader = fmt if body.uses_tools else None
             if body.stream:
                 with_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -259,9 +262,17 @@ class ApiServer:
             )
         return ids
 
-    def _chat_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    def _chat_ids(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        overflow: str = "error",
+        params: SamplingParams | None = None,
+    ) -> list[int]:
+        ctx = self.service.model.config.context_length
+        reply = min(params.max_tokens, ctx // 4) if params is not None else 0
         try:
-            ids = chat_prompt_ids(self.service.model, messages, tools)
+            ids, _ = fit_chat(self.service.model, messages, tools, ctx - 1 - reply, overflow)
         except (ValueError, BevyError) as exc:  # the chat template refused the conversation
             raise ApiError(400, str(exc), param="messages") from None
         return self._check_prompt(ids, "messages")

@@ -391,3 +391,17 @@ def test_session_system_prompt_and_sampling_reach_the_engine(qtbot, env: Path) -
     qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     assert w.store.messages(sid)[-1].completion_tokens <= 3  # the session's own limit
     close_window(w)
+
+
+def test_a_chat_that_outgrows_the_context_goes_on_and_says_so(qtbot, env: Path) -> None:
+    w = open_window(qtbot, settings_for(env, max_tokens=4))
+    sid = w.new_session("chat")
+    ctx = w.bridge.service.model.config.context_length
+    long = "river " * (ctx // 5)  # five of these overflow the context
+    for i in range(6):
+        w.send(f"{i}: {long}", session_id=sid)
+        qtbot.waitUntil(lambda: not w.controller.replies, timeout=120_000)
+    last = w.store.messages(sid)[-1]
+    assert last.status == "done" and last.data.get("dropped", 0) >= 2  # whole turns
+    qtbot.waitUntil(lambda: "no longer fit the model's context" in w.view.shown_markdown)
+    close_window(w)

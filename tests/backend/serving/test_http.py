@@ -549,3 +549,20 @@ def test_a_named_tool_choice_calls_that_tool(client: openai.OpenAI) -> None:
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+
+def test_context_overflow_extension_leaves_old_turns_out(client: openai.OpenAI) -> None:
+    turn = "river " * 1500
+    history = []
+    for i in range(6):
+        history += [
+            {"role": "user", "content": f"{i} {turn}"},
+            {"role": "assistant", "content": "ok"},
+        ]
+    history.append({"role": "user", "content": "and now?"})
+    with pytest.raises(openai.BadRequestError) as exc:
+        _chat(client, messages=history)
+    assert exc.value.code == "context_length_exceeded"  # OpenAI's behaviour by default
+    r = _chat(client, messages=history, extra_body={"context_overflow": "rolling"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens < 8192

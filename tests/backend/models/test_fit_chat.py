@@ -1,0 +1,55 @@
+"""A chat longer than the context: which turns are left out under each policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backend.errors import BevyError
+from backend.models.generate import chat_prompt_ids, fit_chat
+from backend.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def model(tiny_chat_moe: Path):
+    return load_model(tiny_chat_moe)
+
+
+def chat(n_turns: int) -> list[dict]:
+    out = [{"role": "system", "content": "Be brief."}]
+    for i in range(n_turns):
+        out += [
+            {"role": "user", "content": f"question {i} " + "river " * 40},
+            {"role": "assistant", "content": f"answer {i} " + "delta " * 40},
+        ]
+    return out + [{"role": "user", "content": "and the last one?"}]
+
+
+def test_rolling_keeps_the_system_prompt_and_the_newest_turns(model) -> None:
+    messages = chat(6)
+    full = len(chat_prompt_ids(model, messages))
+    ids, dropped = fit_chat(model, messages, None, full // 2, "rolling")
+    assert len(ids) <= full // 2 and dropped > 0 and dropped % 2 == 0  # whole turns
+    kept = [messages[0], *messages[1 + dropped :]]
+    assert ids == chat_prompt_ids(model, kept)
+    assert kept[1]["role"] == "user" and kept[-1]["content"] == "and the last one?"
+
+
+def test_truncate_middle_keeps_the_first_turn_too(model) -> None:
+    messages = chat(6)
+    full = len(chat_prompt_ids(model, messages))
+    ids, dropped = fit_chat(model, messages, None, full // 2, "truncate_middle")
+    kept = [*messages[:3], *messages[3 + dropped :]]
+    assert dropped > 0 and ids == chat_prompt_ids(model, kept)
+    assert kept[1]["content"].startswith("question 0")
+
+
+def test_error_and_an_unfittable_last_turn_leave_everything(model) -> None:
+    messages = chat(3)
+    full = chat_prompt_ids(model, messages)
+    assert fit_chat(model, messages, None, 10, "error") == (full, 0)
+    ids, _ = fit_chat(model, messages, None, 10, "rolling")  # the last turn alone is > 10
+    assert len(ids) > 10  # the engine then refuses it as too long, as before
+    with pytest.raises(BevyError, match="overflow policy"):
+        fit_chat(model, messages, None, 10, "sideways")
