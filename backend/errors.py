@@ -16,3 +16,8 @@ class ModelLoadError(BevyError):
         self.path = Path(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
+
+
+class ContextTooLong(BevyError):
+    """A prompt that cannot fit the model's context (APIs answer
+    ``context_length_exceeded``)."""

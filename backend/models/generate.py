@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import SamplingParams
-from backend.errors import BevyError
+from backend.errors import BevyError, ContextTooLong
 from backend.models.loader import LoadedModel
 from backend.models.transformer import GetExpert, KVCache, SeqSlice
 from backend.text.chat_template import DEFAULT_TEMPLATE, render_chat
@@ -74,9 +74,24 @@ def fit_chat(
     never dropped."""
     if policy not in OVERFLOW_POLICIES:
         raise BevyError(f"context overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}")
+    tok = model.tokenizer
+    if tok is None:
+        raise BevyError(f"{model.path}: the model has no tokenizer")
+    # Text longer than ``limit`` of the model's longest tokens cannot fit, tokenized or
+    # not: such turns go (or the prompt is refused) before any tokenizing, which holds
+    # the interpreter for seconds on megabytes of text.
+    bound = limit * tok.max_token_chars
+    given = len(messages)
+    if _chars(messages) > bound:
+        if policy == "error":
+            raise ContextTooLong(
+                f"the prompt has {_chars(messages)} characters: more than the model's "
+                f"context of {limit} tokens can hold whatever they are"
+            )
+        messages = _drop_by_chars(messages, bound, policy == "truncate_middle")
     ids = chat_prompt_ids(model, messages, tools)
     if len(ids) <= limit or policy == "error":
-        return ids, 0
+        return ids, given - len(messages)
     head = 0
     while head < len(messages) and messages[head].get("role") == "system":
         head += 1
@@ -86,15 +101,38 @@ def fit_chat(
         first_turn = _turn_end(rest, 0)
         keep += rest[:first_turn]
         rest = rest[first_turn:]
-    dropped = 0
     while len(ids) > limit:
         cut = _turn_end(rest, 0)
         if cut >= len(rest) or not any(m.get("role") == "user" for m in rest[cut:]):
             break  # only the last turn is left: it cannot be dropped
         rest = rest[cut:]
-        dropped += cut
         ids = chat_prompt_ids(model, keep + rest, tools)
-    return ids, dropped
+    return ids, given - len(keep) - len(rest)
+
+
+def _chars(messages: list[dict]) -> int:
+    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+
+
+def _drop_by_chars(messages: list[dict], bound: int, keep_first: bool) -> list[dict]:
+    """``messages`` less their oldest turns (after the system prompt, and the first turn
+    with ``keep_first``) until their text is under ``bound`` characters; ContextTooLong
+    if the last turn alone is not."""
+    head = 0
+    while head < len(messages) and messages[head].get("role") == "system":
+        head += 1
+    if keep_first and head < len(messages):
+        head = _turn_end(messages, head)
+    keep, rest = messages[:head], messages[head:]
+    while _chars(keep + rest) > bound:
+        cut = _turn_end(rest, 0)
+        if cut >= len(rest) or not any(m.get("role") == "user" for m in rest[cut:]):
+            raise ContextTooLong(
+                f"the last message has {_chars(rest)} characters: more than the model's "
+                "context can hold whatever they are"
+            )
+        rest = rest[cut:]
+    return keep + rest
 
 
 def _turn_end(messages: list[dict], start: int) -> int:

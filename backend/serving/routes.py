@@ -24,7 +24,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from backend.config import SamplingParams
-from backend.errors import BevyError
+from backend.errors import BevyError, ContextTooLong
 from backend.messages import ErrorEvent, Event, Finished, Submit, TokenEvent
 from backend.models.generate import fit_chat
 from backend.serving.guard import LOOPBACK_ORIGIN, Guard
@@ -273,6 +273,10 @@ class ApiServer:
         reply = min(params.max_tokens, ctx // 4) if params is not None else 0
         try:
             ids, _ = fit_chat(self.service.model, messages, tools, ctx - 1 - reply, overflow)
+        except ContextTooLong as exc:  # refused before any tokenizing
+            raise ApiError(
+                400, str(exc), param="messages", code="context_length_exceeded"
+            ) from None
         except (ValueError, BevyError) as exc:  # the chat template refused the conversation
             raise ApiError(400, str(exc), param="messages") from None
         return self._check_prompt(ids, "messages")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -308,6 +308,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of a token's vocabulary spelling, or None."""
         return self.backend.token_to_id(token)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token decodes to: a text longer than ``n`` times this
+        is more than ``n`` tokens, which is known without tokenizing it (~40 ms once)."""
+        return max(1, max(len(self.decode([i])) for i in range(self.vocab_size)))
 
     def special_id(self, text: str) -> int | None:
         """The id of the special (control) token spelled ``text``, or None if ``text`` is

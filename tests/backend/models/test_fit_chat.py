@@ -48,8 +48,34 @@ def test_truncate_middle_keeps_the_first_turn_too(model) -> None:
 def test_error_and_an_unfittable_last_turn_leave_everything(model) -> None:
     messages = chat(3)
     full = chat_prompt_ids(model, messages)
-    assert fit_chat(model, messages, None, 10, "error") == (full, 0)
-    ids, _ = fit_chat(model, messages, None, 10, "rolling")  # the last turn alone is > 10
-    assert len(ids) > 10  # the engine then refuses it as too long, as before
+    assert len(full) > 100 and fit_chat(model, messages, None, 100, "error") == (full, 0)
+    ids, _ = fit_chat(model, messages, None, 5, "rolling")  # the last turn alone is > 5
+    assert len(ids) > 5  # the engine then refuses it as too long, as before
     with pytest.raises(BevyError, match="overflow policy"):
         fit_chat(model, messages, None, 10, "sideways")
+
+
+def test_text_too_long_for_any_tokens_is_judged_before_tokenizing(model, monkeypatch) -> None:
+    from backend.errors import ContextTooLong
+    from backend.models import generate
+
+    huge = "x" * (100 * model.tokenizer.max_token_chars + 1)  # > 100 of the longest tokens
+    messages = [{"role": "user", "content": huge}]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    with monkeypatch.context() as m:
+        m.setattr(generate, "chat_prompt_ids", refuse)
+        with pytest.raises(ContextTooLong, match="characters"):
+            fit_chat(model, messages, None, 100, "error")
+        with pytest.raises(ContextTooLong, match="last message"):
+            fit_chat(model, messages, None, 100, "rolling")
+    history = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": huge},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "short"},
+    ]
+    ids, dropped = fit_chat(model, history, None, 100, "rolling")
+    assert dropped == 2 and ids == chat_prompt_ids(model, [history[0], history[3]])

@@ -197,6 +197,9 @@ def test_bad_requests_get_clear_4xx_errors(client: openai.OpenAI, server: str) -
     with pytest.raises(openai.BadRequestError) as exc:
         _chat(client, messages=[{"role": "user", "content": "river " * 9000}])
     assert exc.value.code == "context_length_exceeded" and "context is 8192" in exc.value.message
+    with pytest.raises(openai.BadRequestError) as exc:  # refused before it is tokenized
+        _chat(client, messages=[{"role": "user", "content": "river " * 400_000}])
+    assert exc.value.code == "context_length_exceeded" and "characters" in exc.value.message
     with pytest.raises(openai.BadRequestError) as exc:
         _chat(client, n=2)
     assert exc.value.param == "n"
