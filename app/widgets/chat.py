@@ -48,6 +48,21 @@ def _fence(text: str, lang: str = "") -> str:
     return f"{fence}{lang}\n{text.rstrip()}\n{fence}"
 
 
+def _closed(text: str) -> str:
+    """``text`` with a code fence it left open closed: a reply cut mid-block (stopped, or
+    still streaming) must not turn every message after it into code."""
+    open_fence = None
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        if open_fence is None:
+            if stripped.startswith(("```", "~~~")):
+                mark = stripped[0]
+                open_fence = mark * (len(stripped) - len(stripped.lstrip(mark)))
+        elif stripped.startswith(open_fence) and not stripped.strip(open_fence[0]):
+            open_fence = None
+    return f"{text}\n{open_fence}" if open_fence else text
+
+
 def _subject(name: str, args: object) -> str:
     if not isinstance(args, dict):
         return f"`{str(args)[:200]}`"
@@ -120,7 +135,7 @@ def conversation_markdown(messages: list[dict], expanded: set | frozenset = froz
         note = STATUS_NOTES.get(m.get("status", "done"))
         if note:
             label += f" — *{note}*"
-        body = m.get("content") or ("…" if m.get("status") == "streaming" else "")
+        body = _closed(m.get("content") or ("…" if m.get("status") == "streaming" else ""))
         parts.append(f"{label}\n\n{body}")
     return "\n\n---\n\n".join(parts)
 

@@ -1,0 +1,44 @@
+"""The conversation as Markdown: a reply cut inside a code block does not swallow the
+messages after it, and tool cards fence whatever their output holds."""
+
+from __future__ import annotations
+
+from app.widgets.chat import conversation_markdown, tool_card
+
+
+def test_a_reply_cut_inside_a_code_block_is_closed() -> None:
+    md = conversation_markdown(
+        [
+            {"role": "assistant", "content": '```json\n{"name": "ls", "arg', "status": "stopped"},
+            {"role": "assistant", "content": "next", "status": "done"},
+        ]
+    )
+    first, second = md.split("\n\n---\n\n")
+    assert first.endswith("```") and first.count("```") == 2
+    assert second == "**Assistant**\n\nnext"
+
+
+def test_closed_blocks_are_left_alone() -> None:
+    text = "see:\n~~~~\ncode\n~~~~\nand ```inline``` too"
+    md = conversation_markdown([{"role": "assistant", "content": text, "status": "done"}])
+    assert md.endswith(text)
+
+
+def test_a_card_fences_output_that_holds_fences() -> None:
+    card = tool_card(
+        {
+            "id": 1,
+            "role": "tool",
+            "content": "a\n```\nb",
+            "status": "done",
+            "data": {
+                "name": "read_file",
+                "arguments": {"path": "x.md"},
+                "state": "done",
+                "ok": True,
+                "approval": "rules",
+                "seconds": 0.1,
+            },
+        }
+    )
+    assert "````\na\n```\nb\n````" in card and "`x.md`" in card
