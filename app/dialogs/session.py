@@ -106,5 +106,6 @@ class SessionSettingsDialog(QDialog):
         sampling = {
             k: self.fields[k].value() for k, tick in self.overrides.items() if tick.isChecked()
         }
-        sampling["context_overflow"] = self.overflow.currentData()
+        if self.overflow.currentData() != "rolling":  # the default is not stored
+            sampling["context_overflow"] = self.overflow.currentData()
         return self.prompt.toPlainText().strip(), sampling, self.rule_lines()

@@ -390,6 +390,10 @@ def test_session_system_prompt_and_sampling_reach_the_engine(qtbot, env: Path) -
     assert reply.history[0] == {"role": "system", "content": "Answer in one word."}
     qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     assert w.store.messages(sid)[-1].completion_tokens <= 3  # the session's own limit
+    dialog = w.edit_session_settings()
+    dialog.overflow.setCurrentIndex(dialog.overflow.findData("error"))
+    dialog.accept()  # a policy other than the default rolling is kept with the session
+    assert w.store.session(sid).sampling == {"max_tokens": 3, "context_overflow": "error"}
     close_window(w)
 
 
