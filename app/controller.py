@@ -26,10 +26,10 @@ from app.settings import sampling
 from app.store import Session, Store, StoreError
 from backend.api import Finished
 
-NEW_TITLES = {"chat": "New chat", "agent": "New agent session"}
+NEW_TITLES = {"chat": "New chat", "agent": "New agent session"}  # replaced by the first message
 # A chat that outgrows the context drops its oldest turns (the system prompt stays), as
 # LM Studio's default; a session can choose otherwise (Session settings).
-DEFAULT_OVERFLOW = "rolling"  # replaced by the first message
+DEFAULT_OVERFLOW = "rolling"
 TITLE_CHARS = 48  # a session's automatic title: the start of its first message
 
 

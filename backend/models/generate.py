@@ -82,12 +82,14 @@ def fit_chat(
     # the interpreter for seconds on megabytes of text.
     bound = limit * tok.max_token_chars
     given = len(messages)
-    if _chars(messages) > bound:
-        if policy == "error":
+    if policy == "error":  # judged against the whole context, as the tokens will be
+        ctx = model.config.context_length
+        if _chars(messages) > (ctx - 1) * tok.max_token_chars:
             raise ContextTooLong(
                 f"the prompt has {_chars(messages)} characters: more than the model's "
-                f"context of {limit} tokens can hold whatever they are"
+                f"context of {ctx} tokens can hold whatever they are"
             )
+    elif _chars(messages) > bound:
         messages = _drop_by_chars(messages, bound, policy == "truncate_middle")
     ids = chat_prompt_ids(model, messages, tools)
     if len(ids) <= limit or policy == "error":

@@ -59,7 +59,8 @@ def test_text_too_long_for_any_tokens_is_judged_before_tokenizing(model, monkeyp
     from backend.errors import ContextTooLong
     from backend.models import generate
 
-    huge = "x" * (100 * model.tokenizer.max_token_chars + 1)  # > 100 of the longest tokens
+    ctx = model.config.context_length
+    huge = "x" * (ctx * model.tokenizer.max_token_chars + 1)  # > the context's longest tokens
     messages = [{"role": "user", "content": huge}]
 
     def refuse(*args, **kwargs):
