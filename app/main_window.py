@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
@@ -149,6 +149,11 @@ class MainWindow(QMainWindow):
         agents.approval_changed.connect(self._on_approval)
         agents.activity_changed.connect(self._on_activity)
         self.approval.answered.connect(self._answer)
+        # Esc stops the current session's reply wherever the focus is in the window (the
+        # message box, the conversation, the sidebar), not only in the message box.
+        stop = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
+        stop.setContext(Qt.ShortcutContext.WindowShortcut)
+        stop.activated.connect(self.stop_current)
         self.bridge.metrics.connect(self._on_metrics)
         self.bridge.state_changed.connect(self._on_state)
         self.bridge.load_progress.connect(self._on_load_progress)
@@ -182,7 +187,13 @@ class MainWindow(QMainWindow):
         self._action(file, "Quit", self.close, QKeySequence.Quit)
         model = self.menuBar().addMenu("&Model")
         self._action(model, "Models…", self.open_model_manager)
-        self._action(model, "Settings…", self.open_settings, QKeySequence.Preferences)
+        self.settings_action = self._action(
+            model, "Settings…", self.open_settings, QKeySequence.Preferences
+        )
+        # Preferences has no key on most Linux desktops: Ctrl+, as LM Studio and editors use.
+        self.settings_action.setShortcuts(
+            [QKeySequence(QKeySequence.Preferences), QKeySequence("Ctrl+,")]
+        )
         view = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view.addAction(dock.toggleViewAction())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QElapsedTimer, Qt, QTimer
+from PySide6.QtGui import QKeySequence
 
 from app.main_window import MainWindow
 from app.settings import DEFAULTS
@@ -148,12 +149,16 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
 
 def test_escape_stops_only_the_current_session(qtbot, env: Path) -> None:
     w = open_window(qtbot, settings_for(env, max_tokens=3000))
+    assert QKeySequence("Ctrl+,") in w.settings_action.shortcuts()
     a, b = w.new_session("chat"), w.new_session("chat")
     w.send("first", session_id=a)
     w.send("second", session_id=b)
     qtbot.waitUntil(lambda: all(w.controller.replies[s].tokens > 2 for s in (a, b)), timeout=60_000)
     w.sessions.select(a)
-    qtbot.keyClick(w.input, Qt.Key.Key_Escape)
+    w.activateWindow()
+    qtbot.waitUntil(w.isActiveWindow)
+    w.sessions.view.setFocus()  # Esc works wherever the focus is, not only in the input
+    qtbot.keyClick(w.sessions.view, Qt.Key.Key_Escape)
     qtbot.waitUntil(lambda: a not in w.controller.replies, timeout=30_000)
     assert b in w.controller.replies  # still generating
     stopped = w.store.messages(a)[-1]
