@@ -43,7 +43,7 @@ from backend.messages import (
     Submit,
     TokenEvent,
 )
-from backend.models.generate import fit_chat
+from backend.models.generate import fit_chat, prompt_room
 from backend.models.loader import LoadedModel
 from backend.models.transformer import KVCache
 from backend.text.grammar import Matcher
@@ -312,8 +312,7 @@ class Engine:
             if msg.prompt_ids is not None:
                 ids = list(msg.prompt_ids)
             else:
-                # Room for at least one generated token (and the reply where it fits).
-                room = ctx - 1 - min(msg.params.max_tokens, ctx // 4)
+                room = prompt_room(self.model, msg.params.max_tokens)
                 ids, dropped = fit_chat(self.model, msg.messages, msg.tools, room, msg.overflow)
             if not ids:
                 raise BevyError("the prompt is empty")

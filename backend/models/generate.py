@@ -94,41 +94,52 @@ def fit_chat(
     ids = chat_prompt_ids(model, messages, tools)
     if len(ids) <= limit or policy == "error":
         return ids, given - len(messages)
-    head = 0
-    while head < len(messages) and messages[head].get("role") == "system":
-        head += 1
-    keep = list(messages[:head])
-    rest = list(messages[head:])
-    if policy == "truncate_middle" and rest:
-        first_turn = _turn_end(rest, 0)
-        keep += rest[:first_turn]
-        rest = rest[first_turn:]
-    while len(ids) > limit:
-        cut = _turn_end(rest, 0)
-        if cut >= len(rest) or not any(m.get("role") == "user" for m in rest[cut:]):
-            break  # only the last turn is left: it cannot be dropped
+    keep, rest = _split(messages, policy == "truncate_middle")
+    while len(ids) > limit and (cut := _droppable(rest)):
         rest = rest[cut:]
         ids = chat_prompt_ids(model, keep + rest, tools)
     return ids, given - len(keep) - len(rest)
+
+
+def prompt_room(model: LoadedModel, max_tokens: int) -> int:
+    """The tokens a prompt may take: the context less room for the reply (up to a
+    quarter of the context) and at least one generated token."""
+    ctx = model.config.context_length
+    return ctx - 1 - min(max_tokens, ctx // 4)
 
 
 def _chars(messages: list[dict]) -> int:
     return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
 
 
-def _drop_by_chars(messages: list[dict], bound: int, keep_first: bool) -> list[dict]:
-    """``messages`` less their oldest turns (after the system prompt, and the first turn
-    with ``keep_first``) until their text is under ``bound`` characters; ContextTooLong
-    if the last turn alone is not."""
+def _split(messages: list[dict], keep_first: bool) -> tuple[list[dict], list[dict]]:
+    """(what is always kept: the system prompt, and the first turn with ``keep_first``;
+    the turns that may be dropped, oldest first)."""
     head = 0
     while head < len(messages) and messages[head].get("role") == "system":
         head += 1
     if keep_first and head < len(messages):
         head = _turn_end(messages, head)
-    keep, rest = messages[:head], messages[head:]
+    return list(messages[:head]), list(messages[head:])
+
+
+def _droppable(rest: list[dict]) -> int:
+    """How many messages the oldest turn of ``rest`` holds; 0 when only the last turn
+    (with the last user message) is left, which is never dropped."""
+    cut = _turn_end(rest, 0)
+    if cut >= len(rest) or not any(m.get("role") == "user" for m in rest[cut:]):
+        return 0
+    return cut
+
+
+def _drop_by_chars(messages: list[dict], bound: int, keep_first: bool) -> list[dict]:
+    """``messages`` less their oldest turns (after the system prompt, and the first turn
+    with ``keep_first``) until their text is under ``bound`` characters; ContextTooLong
+    if the last turn alone is not."""
+    keep, rest = _split(messages, keep_first)
     while _chars(keep + rest) > bound:
-        cut = _turn_end(rest, 0)
-        if cut >= len(rest) or not any(m.get("role") == "user" for m in rest[cut:]):
+        cut = _droppable(rest)
+        if not cut:
             raise ContextTooLong(
                 f"the last message has {_chars(rest)} characters: more than the model's "
                 "context can hold whatever they are"

@@ -12,7 +12,7 @@ from typing import Any
 from backend.agent.loop import Reply
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, Finished, Submit, TokenEvent
-from backend.models.generate import fit_chat
+from backend.models.generate import fit_chat, prompt_room
 from backend.serving.openai_schema import ApiError, ChatCompletionRequest
 from backend.serving.service import EngineService
 from backend.text.tool_calls import StreamParser, parse, tool_syntax
@@ -46,13 +46,12 @@ class LocalChatModel:
                 messages=messages, tools=tools or None, tool_choice=tool_choice, **self.sampling
             )
             params = body.params(self.syntax)
-            ctx = self.service.model.config.context_length
-            room = ctx - 1 - min(params.max_tokens, ctx // 4)
+            model = self.service.model
             ids, _ = fit_chat(
-                self.service.model,
+                model,
                 body.chat_messages(fmt),
                 body.chat_tools(fmt),
-                room,
+                prompt_room(model, params.max_tokens),
                 body.context_overflow or "error",
             )
         except ApiError as exc:

@@ -108,16 +108,12 @@ def check_headers(
             code="host_not_allowed",
         )
     origin = h.get(b"origin", b"").decode("latin-1")
-    if origin and origin != "null" and not origin_allowed(origin, api.cors_origins):
-        return ApiError(
+    if origin and (origin == "null" or not origin_allowed(origin, api.cors_origins)):
+        return ApiError(  # "null": a sandboxed frame or a file:// page, never allowed
             403,
             f"cross-origin request from {origin} refused; start the server with "
             f"--cors-origin {origin} to allow that page",
             code="origin_not_allowed",
-        )
-    if origin == "null":
-        return ApiError(
-            403, "requests from opaque origins (null) are refused", code="origin_not_allowed"
         )
     if origin and method == "POST":
         kind = h.get(b"content-type", b"").split(b";")[0].strip().lower()

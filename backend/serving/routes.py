@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from backend.config import SamplingParams
 from backend.errors import BevyError, ContextTooLong
 from backend.messages import ErrorEvent, Event, Finished, Submit, TokenEvent
-from backend.models.generate import fit_chat
+from backend.models.generate import fit_chat, prompt_room
 from backend.serving.guard import LOOPBACK_ORIGIN, Guard
 from backend.serving.metrics_text import ApiCounters, render_metrics
 from backend.serving.openai_schema import (
@@ -269,10 +269,10 @@ class ApiServer:
         overflow: str = "error",
         params: SamplingParams | None = None,
     ) -> list[int]:
-        ctx = self.service.model.config.context_length
-        reply = min(params.max_tokens, ctx // 4) if params is not None else 0
+        model = self.service.model
+        room = prompt_room(model, params.max_tokens if params is not None else 0)
         try:
-            ids, _ = fit_chat(self.service.model, messages, tools, ctx - 1 - reply, overflow)
+            ids, _ = fit_chat(model, messages, tools, room, overflow)
         except ContextTooLong as exc:  # refused before any tokenizing
             raise ApiError(
                 400, str(exc), param="messages", code="context_length_exceeded"
