@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: setup run test lint format demo clean
+.PHONY: setup run test lint format demo package clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ run: demo
 test: setup lint
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q
 
+# The Debian package, built offline with Briefcase (README "Installers"): dist/*.deb.
+package:
+	packaging/build-deb.sh
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -36,4 +40,4 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+# The app's id where it is installed: its .desktop file's name and its icon's.
+DESKTOP_ID = "org.bevy-desktop.bevy-desktop"
+
 
 def has_display() -> bool:
     """Whether Qt can open a window here (Linux without X11/Wayland cannot)."""
@@ -32,6 +35,7 @@ def instance_lock(folder):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication, QMessageBox
 
     from app.main_window import MainWindow
@@ -40,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication(argv if argv is not None else sys.argv)
     app.setApplicationName("Bevy")
     app.setOrganizationName("Bevy Desktop")
+    # The installed menu entry's name (packaging/linux-system): Wayland compositors match
+    # the window to it, and its icon is in the icon theme.
+    app.setDesktopFileName(DESKTOP_ID)
+    icon = QIcon.fromTheme(DESKTOP_ID)
+    if not icon.isNull():
+        app.setWindowIcon(icon)
     lock = instance_lock(data_dir())
     if lock is None:
         text = (

