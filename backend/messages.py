@@ -20,6 +20,9 @@ class Submit:
     # A chat longer than the context: "error", or leave out turns ("rolling" keeps the
     # system prompt, "truncate_middle" the first turn too; models.generate.fit_chat).
     overflow: str = "error"
+    # With prompt_ids made from a chat elsewhere (serving.service renders chats off the
+    # engine thread): how many of its messages fit_chat left out, for Finished.
+    dropped_messages: int = 0
 
 
 @dataclass(frozen=True)

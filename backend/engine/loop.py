@@ -65,6 +65,13 @@ def short_switch_interval() -> None:
         sys.setswitchinterval(0.0005)
 
 
+def chat_prompt(model: LoadedModel, msg: Submit) -> tuple[list[int], int]:
+    """A chat Submit's prompt ids, fitted to the context by its overflow policy, and how
+    many messages that left out. Raises BevyError (ContextTooLong) when it cannot fit."""
+    room = prompt_room(model, msg.params.max_tokens)
+    return fit_chat(model, msg.messages, msg.tools, room, msg.overflow)
+
+
 class Engine:
     def __init__(
         self, model: LoadedModel, config: EngineConfig, events: queue.Queue | None = None
@@ -308,12 +315,10 @@ class Engine:
             if (msg.messages is None) == (msg.prompt_ids is None):
                 raise BevyError("give exactly one of messages or prompt_ids")
             ctx = self.model.config.context_length
-            dropped = 0
             if msg.prompt_ids is not None:
-                ids = list(msg.prompt_ids)
+                ids, dropped = list(msg.prompt_ids), msg.dropped_messages
             else:
-                room = prompt_room(self.model, msg.params.max_tokens)
-                ids, dropped = fit_chat(self.model, msg.messages, msg.tools, room, msg.overflow)
+                ids, dropped = chat_prompt(self.model, msg)
             if not ids:
                 raise BevyError("the prompt is empty")
             if len(ids) >= ctx:

@@ -1,6 +1,8 @@
 """One engine shared by many clients: app sessions and API requests interleave on it.
 
-The engine has a single event queue; a dispatcher thread fans it out. Each request
+A chat's prompt (template, tokenizing, fitting it to the context) is made on a prompts
+thread, not on the engine's: a long one must not stall every running request. The engine
+has a single event queue; a dispatcher thread fans it out. Each request
 registers a listener at submit time and gets exactly its own events, ending with one
 terminal event (``Finished`` or ``ErrorEvent``). Metrics snapshots go to every metrics
 subscriber and are kept as ``latest`` for pollers (``/v1/stats``). Listeners run on the
@@ -15,10 +17,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from backend.config import EngineConfig
-from backend.engine.loop import Engine
+from backend.engine.loop import Engine, chat_prompt
 from backend.errors import BevyError
 from backend.messages import Abort, ErrorEvent, Event, Finished, MetricsSnapshot, Submit
 from backend.models.loader import LoadedModel, Progress, load_model
@@ -74,9 +77,14 @@ class EngineService:
         # (monotonic time, message) of the latest request failed by the server's fault
         self.last_server_error: tuple[float, str] | None = None
         self._closed = False
+        # Chats waiting for their prompt: id -> whether an abort came meanwhile.
+        self._preparing: dict[str, bool] = {}
+        self._chats: queue.SimpleQueue = queue.SimpleQueue()
         self.engine.start()
         self._thread = threading.Thread(target=self._dispatch, name="bevy-events", daemon=True)
         self._thread.start()
+        self._prompts = threading.Thread(target=self._prepare, name="bevy-prompts", daemon=True)
+        self._prompts.start()
 
     @classmethod
     def open(
@@ -95,6 +103,7 @@ class EngineService:
         """Queue a request; ``listener`` gets its events. A request refused here (engine
         down, id in use) gets its ErrorEvent on the calling thread, before this returns."""
         refusal = None
+        chat = msg.messages is not None and msg.prompt_ids is None  # both: the engine refuses
         with self._lock:
             if self._closed or self.failure:
                 refusal = self.failure or "the engine is shut down"
@@ -102,14 +111,40 @@ class EngineService:
                 refusal = f"request id {msg.request_id!r} is in use"
             else:
                 self._listeners[msg.request_id] = listener
+                if chat:
+                    self._preparing[msg.request_id] = False
         if refusal is not None:  # outside the lock: the listener may call back into us
             listener(ErrorEvent(msg.request_id, refusal))
-            return
-        self.engine.submit(msg)
+        elif chat:
+            self._chats.put(msg)
+        else:
+            self.engine.submit(msg)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its listener still receives ``Finished(reason="abort")``."""
+        with self._lock:
+            if request_id in self._preparing:  # the engine gets it right after its Submit
+                self._preparing[request_id] = True
+                return
         self.engine.submit(Abort(request_id))
+
+    def _prepare(self) -> None:
+        """The prompts thread: each chat Submit becomes a prompt_ids Submit, in order.
+        Tokenizing lets go of the GIL (Tokenizer.encode), so the engine keeps running."""
+        while (msg := self._chats.get()) is not _STOP:
+            try:
+                ids, dropped = chat_prompt(self.model, msg)
+            except Exception as exc:  # the request fails alone, as on the engine thread
+                with self._lock:
+                    self._preparing.pop(msg.request_id, None)
+                self.engine.events.put(ErrorEvent(msg.request_id, str(exc)))
+                continue
+            ready = replace(msg, messages=None, prompt_ids=ids, dropped_messages=dropped)
+            with self._lock:  # one order for the Submit and an abort that came meanwhile
+                aborted = self._preparing.pop(msg.request_id, False)
+                self.engine.submit(ready)
+                if aborted:
+                    self.engine.submit(Abort(msg.request_id))
 
     def degraded(self, window_s: float = DEGRADED_S) -> str | None:
         """Why the service is degraded: a request failed by the server's fault (an expert
@@ -217,6 +252,8 @@ class EngineService:
             if self._closed:
                 return
             self._closed = True
+        self._chats.put(_STOP)
+        self._prompts.join(timeout=10)
         self.engine.shutdown()
         self.engine.events.put(_STOP)
         self._thread.join(timeout=10)

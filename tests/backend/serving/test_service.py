@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,84 @@ def test_a_broken_listener_does_not_stop_the_others(service: EngineService) -> N
     service.submit(Submit("broken", GREEDY, messages=_chat("x")), broken)
     ok = collect(service, Submit("fine", GREEDY, messages=_chat("y")))
     assert isinstance(ok[-1], Finished) and ok[-1].completion_tokens == 6
+
+
+class SlowPrompts:
+    """chat_prompt as the service calls it, made slow the way a long chat's template and
+    tokenizing are (the real function still makes the prompt); records the threads."""
+
+    def __init__(self, delay_s: float) -> None:
+        from backend.serving import service as service_module
+
+        self.real, self.delay_s, self.threads = service_module.chat_prompt, delay_s, []
+        self.started = threading.Event()
+
+    def __call__(self, model, msg):
+        self.threads.append(threading.current_thread().name)
+        self.started.set()
+        time.sleep(self.delay_s)
+        return self.real(model, msg)
+
+
+def test_a_slow_chat_prompt_does_not_stall_running_requests(
+    service: EngineService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    running: queue.Queue = queue.Queue()
+    params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    service.submit(Submit("runs", params, prompt_ids=[1, 2, 3]), running.put)
+    assert isinstance(running.get(timeout=60), TokenEvent)
+    slow = SlowPrompts(1.5)
+    monkeypatch.setattr("backend.serving.service.chat_prompt", slow)
+    waiting: queue.Queue = queue.Queue()
+    service.submit(Submit("slow", GREEDY, messages=_chat("a long chat")), waiting.put)
+    assert slow.started.wait(10)
+    while not running.empty():
+        running.get_nowait()
+    time.sleep(1.0)  # inside the slow prompt's 1.5 s
+    assert running.qsize() >= 3  # the engine kept decoding meanwhile
+    assert isinstance(collect_rest(waiting)[-1], Finished)
+    assert slow.threads == ["bevy-prompts"]
+    service.abort("runs")
+    assert collect_rest(running)[-1].reason == "abort"
+
+
+def test_abort_while_the_prompt_is_made_ends_the_request(
+    service: EngineService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = SlowPrompts(0.5)
+    monkeypatch.setattr("backend.serving.service.chat_prompt", slow)
+    q: queue.Queue = queue.Queue()
+    long = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    service.submit(Submit("early", long, messages=_chat("hi")), q.put)
+    assert slow.started.wait(10)
+    service.abort("early")
+    end = collect_rest(q)[-1]
+    assert isinstance(end, Finished) and end.reason == "abort" and end.completion_tokens < 50
+    assert service.active == 0
+
+
+def test_a_chat_that_cannot_fit_fails_alone_and_rolling_reports_what_it_dropped(
+    service: EngineService,
+) -> None:
+    ctx = service.model.config.context_length
+    turns = []
+    for i in range(12):  # each user turn alone fits; all of them do not
+        turns += [
+            {"role": "user", "content": f"turn {i} " + "word " * (ctx // 8)},
+            {"role": "assistant", "content": "ok"},
+        ]
+    turns.append({"role": "user", "content": "last"})
+    refused = collect(service, Submit("toolong", GREEDY, messages=turns))
+    assert isinstance(refused[-1], ErrorEvent) and "context" in refused[-1].message
+    rolled = collect(service, Submit("rolled", GREEDY, messages=turns, overflow="rolling"))
+    assert isinstance(rolled[-1], Finished) and rolled[-1].dropped_messages > 0
+    assert rolled[-1].prompt_tokens < ctx
+    assert service.active == 0
+
+
+def collect_rest(q: queue.Queue, timeout: float = 120.0) -> list:
+    """A request's events up to its terminal one."""
+    out = []
+    while not out or not isinstance(out[-1], Finished | ErrorEvent):
+        out.append(q.get(timeout=timeout))
+    return out
