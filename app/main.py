@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+from pathlib import Path
 
 # The app's id where it is installed: its .desktop file's name and its icon's.
 DESKTOP_ID = "org.bevy-desktop.bevy-desktop"
@@ -34,6 +36,48 @@ def instance_lock(folder):
     return lock if lock.tryLock(0) else None
 
 
+def _launch_socket(folder) -> str:
+    """The local socket the app on ``folder`` listens on for later launches."""
+    digest = hashlib.sha256(str(Path(folder).resolve()).encode()).hexdigest()[:16]
+    return f"bevy-desktop-{digest}"
+
+
+def listen_for_launches(folder, window):
+    """While this app holds ``folder``'s lock: a later launch on it brings ``window`` to
+    the front, as a second click on a desktop app's icon does."""
+    from PySide6.QtNetwork import QLocalServer
+
+    name = _launch_socket(folder)
+    server = QLocalServer(window)
+    server.setSocketOptions(QLocalServer.SocketOption.UserAccessOption)
+    QLocalServer.removeServer(name)  # left by an app that crashed: we hold the lock now
+
+    def bring_to_front() -> None:
+        while (conn := server.nextPendingConnection()) is not None:
+            conn.disconnectFromServer()
+            conn.deleteLater()
+        if window.isMinimized():
+            window.showNormal()
+        window.show()
+        window.raise_()
+        window.activateWindow()
+
+    server.newConnection.connect(bring_to_front)
+    server.listen(name)
+    return server
+
+
+def raise_running_app(folder, timeout_ms: int = 2000) -> bool:
+    """Ask the app holding ``folder`` to show its window; False if none answers."""
+    from PySide6.QtNetwork import QLocalSocket
+
+    sock = QLocalSocket()
+    sock.connectToServer(_launch_socket(folder))
+    answered = sock.waitForConnected(timeout_ms)
+    sock.abort()
+    return answered
+
+
 def main(argv: list[str] | None = None) -> int:
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication, QMessageBox
@@ -51,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if not icon.isNull():
         app.setWindowIcon(icon)
     lock = instance_lock(data_dir())
+    if lock is None and raise_running_app(data_dir()):
+        print(
+            f"bevy: Bevy is already running with {data_dir()}; showing its window", file=sys.stderr
+        )
+        return 0
     if lock is None:
         text = (
             f"Bevy is already running with this data folder ({data_dir()}). "
@@ -66,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         lock.unlock()
         return 2
     window = MainWindow(store)
+    launches = listen_for_launches(data_dir(), window)
     window.show()
     window.start_engine()
     code = app.exec()
+    launches.close()
     store.close()
     lock.unlock()
     return code

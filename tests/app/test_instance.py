@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app.main import instance_lock
+from app.main import instance_lock, listen_for_launches
 from app.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,3 +37,26 @@ def test_a_second_app_on_the_same_data_dir_is_refused(tmp_path: Path, monkeypatc
     again = instance_lock(data)  # free once the first one ends
     assert again is not None
     again.unlock()
+
+
+def test_a_second_launch_brings_the_first_window_to_the_front(
+    tmp_path: Path, monkeypatch, qtbot
+) -> None:
+    from PySide6.QtWidgets import QMainWindow
+
+    data = tmp_path / "data"
+    monkeypatch.setenv("BEVY_DATA_DIR", str(data))
+    lock = instance_lock(data)
+    window = QMainWindow()  # the first app's window, hidden (minimised, on another desktop)
+    qtbot.addWidget(window)
+    server = listen_for_launches(data, window)
+    assert not window.isVisible()
+    env = {"BEVY_DATA_DIR": str(data), "QT_QPA_PLATFORM": "offscreen", "PATH": "/usr/bin:/bin"}
+    code = "import sys; from app.main import main; sys.exit(main([]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "already running" in done.stderr, done.stderr
+    qtbot.waitUntil(window.isVisible, timeout=5000)
+    server.close()
+    lock.unlock()
