@@ -176,8 +176,12 @@ class OverlapPanel(ThemedPanel):
         self.compute_item.set_intervals(compute)
         self.both_item.set_intervals(intersect_intervals(link, compute))
         self.plot.getPlotItem().setXRange(lo, 0.0, padding=0)
-        self.both_busy_label.setText(f"both busy {_pct(snap.both_busy_frac)}")
-        self.compute_wait_label.setText(f"compute waiting {_pct(snap.compute_wait_frac)}")
+        if snap.requests:
+            self.both_busy_label.setText(f"both busy {_pct(snap.both_busy_frac)}")
+            self.compute_wait_label.setText(f"compute waiting {_pct(snap.compute_wait_frac)}")
+        else:  # compute is not waiting on the link when nothing asks it for work
+            self.both_busy_label.setText("idle: no requests")
+            self.compute_wait_label.setText("")
         self.runahead_label.setText(f"runahead {snap.runahead or '–'}")
         if snap.runahead != self._runahead:
             self._runahead = snap.runahead

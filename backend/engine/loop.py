@@ -182,6 +182,7 @@ class Engine:
         self._tick = 0
         self._stopped = False
         self._last_metrics = 0.0
+        self._snapshot_at = 0.0  # the previous snapshot's time ("computing" since then)
         self.kv_bytes_per_token = (
             2 * c.n_layers * c.n_kv_heads * c.head_dim * model.transformer.dtype.itemsize
         )
@@ -443,11 +444,11 @@ class Engine:
         self.jobs.run([], part)  # none completes its layer: each still waits for one
         if self.slots.device.type == "cuda":  # as in ``_run``: before the link may reuse them
             torch.cuda.current_stream(self.slots.device).synchronize()
+        t1 = time.perf_counter()
         for r, subset in part:
             self.claims.release(r, subset)
-        self.telemetry.record_compute(
-            t0, time.perf_counter(), layer, tuple(r.id for r, _ in part), len(part)
-        )
+            r.computed_at = t1
+        self.telemetry.record_compute(t0, t1, layer, tuple(r.id for r, _ in part), len(part))
 
     # --- run and postprocess ------------------------------------------------------------
 
@@ -463,9 +464,11 @@ class Engine:
             # Kernels reading these slots may still be queued: finish them before the
             # link may overwrite an unpinned slot on its own stream.
             torch.cuda.current_stream(self.slots.device).synchronize()
+        computed = time.perf_counter()
         for r in group:
             self.claims.release(r)
             r.ready_since = 0
+            r.computed_at = computed
         for r, subset in ride:
             if r.claimed:  # what it rode on; all it held if that completed its layer
                 self.claims.release(r, subset)
@@ -600,8 +603,16 @@ class Engine:
         resident = tuple(k for k, slot in cache.slot_of.items() if cache.ready[slot])
         n_layers = self.model.config.n_layers
         progress = []
+        # Compute runs on this thread, so at a snapshot no job is running: a request is
+        # "computing" when a job ran for it since the previous snapshot (the panels' view
+        # of the last interval), else ready or waiting on what it holds now.
+        since = self._snapshot_at
+        self._snapshot_at = now
         for r in self.running:
-            state = "ready" if self._ready(r) else "waiting"
+            if r.computed_at > since:
+                state = "computing"
+            else:
+                state = "ready" if self._ready(r) else "waiting"
             progress.append(
                 RequestProgress(r.id, r.session, r.layer, n_layers, state, len(r.out_ids))
             )

@@ -42,6 +42,7 @@ class Request:
     decoder: object | None = None  # tokenizer StreamDecoder
     stops: StopMatcher | None = None
     grammar: Matcher | None = None  # where the reply is constrained (``params.grammar``)
+    computed_at: float = 0.0  # perf_counter when a compute job last ran for it
     dropped_messages: int = 0  # chat messages left out to fit the context
     # Position in the model (valid while RUNNING).
     layer: int = 0

@@ -240,7 +240,10 @@ class ApiServer:
     # --- requests -----------------------------------------------------------------------
 
     def _check_model(self, model: str | None) -> None:
-        if model not in (None, "", self.service.model_name):
+        # The one model this server runs answers to its id (the file's stem), its file
+        # name and "default", in any case: clients often keep a fixed model name.
+        names = {self.service.model_name, self.service.model.path.name, "default"}
+        if model and model.casefold() not in {n.casefold() for n in names}:
             raise ApiError(
                 404,
                 f"model {model!r} does not exist; this server runs {self.service.model_name!r}",
@@ -484,7 +487,10 @@ class ApiServer:
         return {
             "model": self.service.model_name,
             "expert_backend": self.service.engine.expert_backend,
-            "active_requests": self.service.active,
+            # One snapshot's view: active_requests is len(requests). open_requests also
+            # counts those submitted that the engine has not taken in yet.
+            "active_requests": len(engine["requests"]),
+            "open_requests": self.service.active,
             "max_queue": self.max_queue,
             **engine,
             "api": {

@@ -249,7 +249,9 @@ def test_overlap_panel_empty_snapshot(qtbot: QtBot) -> None:
     panel.update_snapshot(snapshot(1))
     panel.update_snapshot(EMPTY)
     assert len(panel.link_item.intervals) == len(panel.both_item.intervals) == 0
-    assert panel.both_busy_label.text() == "both busy 0 %"
+    # Nothing asks compute for work: idle, not "compute waiting 100 %".
+    assert panel.both_busy_label.text() == "idle: no requests"
+    assert panel.compute_wait_label.text() == ""
     assert panel.runahead_label.text() == "runahead off"
     render(qtbot, panel, "overlap_empty")
 

@@ -206,6 +206,10 @@ def test_engine_thread_streams_events_and_metrics(models) -> None:
         snaps = [e for e in got if isinstance(e, MetricsSnapshot)]
         assert snaps and snaps[-1].cache_slots == eng.cache.n_slots
         assert any(r.request_id == "a" for s in snaps for r in s.requests)
+        # Compute runs between snapshots: a request a job ran for since the previous one
+        # shows as computing (the panel used to show every request waiting for experts).
+        states = {r.state for s in snaps for r in s.requests if r.request_id == "a"}
+        assert "computing" in states, states
     finally:
         eng.shutdown()
 

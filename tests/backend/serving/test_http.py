@@ -191,6 +191,9 @@ def test_bad_requests_get_clear_4xx_errors(client: openai.OpenAI, server: str) -
     with pytest.raises(openai.NotFoundError) as exc:
         _chat(client, model="gpt-4o")
     assert exc.value.code == "model_not_found" and "gpt-4o" in exc.value.message
+    # The one model also answers to "default" and its id in another case.
+    for alias in ("default", MODEL.upper()):
+        assert _chat(client, model=alias, max_tokens=1).choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as exc:
         _chat(client, max_tokens=-5)
     assert exc.value.param == "max_tokens" and "max_tokens must be >= 1" in exc.value.message
@@ -272,14 +275,21 @@ def test_disconnect_mid_stream_aborts_and_releases_pins(server: str) -> None:
         rid = json.loads(next(lines)[6:])["id"]
         for _ in range(3):
             next(lines)
-        assert _stats(server)["active_requests"] == 1
+        stats = _stats(server)
+        deadline = time.monotonic() + 5
+        while not stats["requests"] and time.monotonic() < deadline:  # the next snapshot
+            time.sleep(0.05)
+            stats = _stats(server)
+        # The count and the list come from one snapshot: they agree.
+        assert stats["active_requests"] == len(stats["requests"]) == 1
+        assert stats["open_requests"] == 1
     # Leaving the block closed the connection mid-stream.
     deadline = time.monotonic() + 10
     while True:
         s = _stats(server)
         if (
             s["api"]["aborted"] == aborted + 1
-            and s["active_requests"] == 0
+            and s["active_requests"] == s["open_requests"] == 0
             and s["cache_pinned"] == 0
             and s["requests"] == []
         ):
