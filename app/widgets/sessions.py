@@ -7,15 +7,19 @@ case-insensitively on titles, so typing needs no database query.
 
 from __future__ import annotations
 
-from PySide6.QtCore import QModelIndex, QPoint, QSortFilterProxyModel, Qt, Signal
-from PySide6.QtGui import QStandardItem, QStandardItemModel
+from PySide6.QtCore import QModelIndex, QPoint, QRect, QSize, QSortFilterProxyModel, Qt, Signal
+from PySide6.QtGui import QFontMetrics, QPainter, QPalette, QStandardItem, QStandardItemModel
 from PySide6.QtWidgets import (
+    QApplication,
     QHBoxLayout,
     QInputDialog,
     QLineEdit,
     QListView,
     QMenu,
     QPushButton,
+    QStyle,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
     QVBoxLayout,
     QWidget,
 )
@@ -25,9 +29,79 @@ KIND_ROLE = Qt.ItemDataRole.UserRole + 2
 TITLE_ROLE = Qt.ItemDataRole.UserRole + 3
 BUSY_ROLE = Qt.ItemDataRole.UserRole + 4
 ACTIVITY_ROLE = Qt.ItemDataRole.UserRole + 5
-KIND_SUFFIX = {"chat": "", "agent": "  · agent"}
-# Before the title, where eliding a long title cannot hide it.
-ACTIVITY_MARKS = {"thinking": "● ", "running a tool": "▶ ", "waiting for approval": "? "}
+BADGES_ROLE = Qt.ItemDataRole.UserRole + 6  # the markers drawn after the title
+ACTIVITY_MARKS = {"thinking": "●", "running a tool": "▶", "waiting for approval": "?"}
+BUSY_MARK = "●"
+AGENT_BADGE = "agent"
+
+
+def elide_words(fm: QFontMetrics, text: str, width: int) -> str:
+    """``text`` cut at a word boundary with "…" to fit ``width`` pixels; a first word too
+    long for it is cut where it must be."""
+    if fm.horizontalAdvance(text) <= width:
+        return text
+    words = text.split(" ")
+    for n in range(len(words) - 1, 0, -1):
+        cut = " ".join(words[:n]).rstrip(" ,;:.-") + "…"
+        if fm.horizontalAdvance(cut) <= width:
+            return cut
+    return fm.elidedText(text, Qt.TextElideMode.ElideRight, width)
+
+
+class SessionDelegate(QStyledItemDelegate):
+    """A row: the title, elided at a word boundary, then its badges (agent, busy, what an
+    agent is doing), which are never elided away."""
+
+    PAD = 6
+
+    def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:
+        # As wide as the list, whatever the title: a row wider than the list would put its
+        # badges out of sight (and the list grew a scroll extent for long titles).
+        hint = super().sizeHint(option, index)
+        view = self.parent()
+        if isinstance(view, QListView):
+            hint.setWidth(min(hint.width(), max(1, view.viewport().width())))
+        hint.setHeight(hint.height() + self.PAD)
+        return hint
+
+    def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
+        opt = QStyleOptionViewItem(option)
+        self.initStyleOption(opt, index)
+        title, opt.text = opt.text, ""
+        widget = opt.widget
+        style = widget.style() if widget is not None else QApplication.style()
+        style.drawControl(QStyle.ControlElement.CE_ItemViewItem, opt, painter, widget)
+        rect = style.subElementRect(QStyle.SubElement.SE_ItemViewItemText, opt, widget)
+        rect = rect.adjusted(self.PAD // 2, 0, -self.PAD // 2, 0)
+        fm = opt.fontMetrics
+        badges = index.data(BADGES_ROLE) or ()
+        selected = bool(opt.state & QStyle.StateFlag.State_Selected)
+        group = QPalette.ColorGroup.Normal
+        text_role = QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.Text
+        muted_role = (
+            QPalette.ColorRole.HighlightedText if selected else QPalette.ColorRole.PlaceholderText
+        )
+        right = rect.right()
+        painter.save()
+        for badge in reversed(badges):  # right to left
+            width = fm.horizontalAdvance(badge)
+            painter.setPen(
+                opt.palette.color(group, muted_role if badge == AGENT_BADGE else text_role)
+            )
+            painter.drawText(
+                QRect(right - width, rect.top(), width, rect.height()),
+                int(Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignRight),
+                badge,
+            )
+            right -= width + self.PAD
+        title_rect = QRect(rect.left(), rect.top(), max(0, right - rect.left()), rect.height())
+        painter.setPen(opt.palette.color(group, text_role))
+        painter.drawText(
+            title_rect,
+            int(Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft),
+            elide_words(fm, title, title_rect.width()),
+        )
+        painter.restore()
 
 
 class SessionList(QWidget):
@@ -50,7 +124,8 @@ class SessionList(QWidget):
         self.view = QListView()
         self.view.setModel(self.proxy)
         self.view.setEditTriggers(QListView.EditTrigger.NoEditTriggers)
-        self.view.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.view.setItemDelegate(SessionDelegate(self.view))
+        self.view.setResizeMode(QListView.ResizeMode.Adjust)  # rows follow the list's width
         self.view.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.view.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.view.customContextMenuRequested.connect(self._menu)
@@ -92,16 +167,28 @@ class SessionList(QWidget):
     @staticmethod
     def _label(item: QStandardItem) -> None:
         activity = item.data(ACTIVITY_ROLE) or ""
-        busy = " ●" if item.data(BUSY_ROLE) and not activity else ""
+        busy = bool(item.data(BUSY_ROLE)) and not activity
         kind = item.data(KIND_ROLE)
-        mark = ACTIVITY_MARKS.get(activity, "")
-        item.setText(f"{mark}{item.data(TITLE_ROLE)}{KIND_SUFFIX.get(kind, '')}{busy}")
-        tip = "coding-agent session" if kind == "agent" else "chat session"
+        badges = [AGENT_BADGE] if kind == "agent" else []
+        if activity in ACTIVITY_MARKS:
+            badges.append(ACTIVITY_MARKS[activity])
+        elif busy:
+            badges.append(BUSY_MARK)
+        item.setText(item.data(TITLE_ROLE))
+        item.setData(tuple(badges), BADGES_ROLE)
+        tip = f"{item.data(TITLE_ROLE)}\n" + (
+            "coding-agent session" if kind == "agent" else "chat session"
+        )
         if activity:
             tip = f"{tip}: {activity}"
         elif busy:
             tip = f"{tip}, generating"
         item.setToolTip(tip)
+
+    def badges(self, session_id: int) -> tuple[str, ...]:
+        """The markers shown after a session's title."""
+        item = self._find(session_id)
+        return item.data(BADGES_ROLE) if item is not None else ()
 
     def _find(self, session_id: int) -> QStandardItem | None:
         for row in range(self.model.rowCount()):

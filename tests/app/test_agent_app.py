@@ -84,7 +84,7 @@ def test_an_agent_beside_two_chats_asks_acts_and_is_restored(
     qtbot.waitUntil(lambda: w.approval.isVisible(), timeout=60_000)
     assert all(c in w.controller.replies for c in chats)  # the chats generate meanwhile
     assert w.controller.agents.pending(agent).name == "write_file"
-    assert w.sessions._find(agent).text().startswith("? ")  # waiting for approval
+    assert w.sessions.badges(agent) == ("agent", "?")  # waiting for approval
     w.approval.buttons["approve"].click()
     qtbot.waitUntil(lambda: (ws / "hello.txt").exists(), timeout=30_000)
     assert (ws / "hello.txt").read_text() == "hi\n"
