@@ -31,6 +31,9 @@ NEW_TITLES = {"chat": "New chat", "agent": "New agent session"}  # replaced by t
 # LM Studio's default; a session can choose otherwise (Session settings).
 DEFAULT_OVERFLOW = "rolling"
 TITLE_CHARS = 48  # a session's automatic title: the start of its first message
+# A reply's label before its first token (then "generating…"): honest about the wait.
+LOADING = "waiting for the model to load"
+QUEUED = "queued"
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Reply:
     request_id: str | None = None  # None while waiting for the engine to load
     chunks: list[str] = field(default_factory=list)
     tokens: int = 0
+    phase: str | None = None  # before the first token: LOADING, QUEUED, reading the prompt
 
     @property
     def text(self) -> str:
@@ -84,6 +88,8 @@ class ChatController(QObject):
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
         bridge.state_changed.connect(self._on_state)
+        bridge.metrics.connect(self._on_metrics)
+        bridge.load_progress.connect(self._on_load_progress)
         # Agent sessions run their loops there; their changes reach views like tokens do.
         self.agents = AgentSessions(self)
         self.agents.changed.connect(lambda sid: self.token.emit(sid, ""))
@@ -173,8 +179,43 @@ class ChatController(QObject):
         self.replies[session_id] = reply
         self.reply_started.emit(session_id)
         self.busy_changed.emit(session_id, True)
+        self._set_phase(reply, LOADING if self.bridge.state == "loading" else QUEUED)
         self._submit(reply)
         return True
+
+    # --- what a reply is doing before its first token -----------------------------------
+
+    def _set_phase(self, reply: Reply, phase: str | None) -> None:
+        """Show ``phase`` in the reply's label (None once it generates); views re-render."""
+        if reply.phase == phase:
+            return
+        reply.phase = phase
+        shown = self.messages.get(reply.session_id)
+        if shown and shown[-1].get("status") == "streaming":
+            if phase is None:
+                shown[-1].pop("phase", None)
+            else:
+                shown[-1]["phase"] = phase
+        self.token.emit(reply.session_id, "")
+
+    def _on_load_progress(self, done: int, total: int) -> None:
+        if total <= 0:
+            return
+        for reply in self.replies.values():
+            if reply.request_id is None:
+                self._set_phase(reply, f"{LOADING} ({100 * done // total} %)")
+
+    def _on_metrics(self, snap) -> None:
+        """Queued, or reading the prompt (layer by layer), from the engine's own view."""
+        for progress in snap.requests:
+            reply = self.by_request.get(progress.request_id)
+            if reply is None or reply.tokens:
+                continue
+            if progress.state == "queued":
+                self._set_phase(reply, QUEUED)
+            else:
+                layer = min(progress.layer + 1, progress.n_layers)
+                self._set_phase(reply, f"reading the prompt: layer {layer} of {progress.n_layers}")
 
     def _send_agent(self, session: Session, text: str) -> bool:
         if self.agents.busy(session.id):
@@ -227,6 +268,7 @@ class ChatController(QObject):
         rid = self.bridge.submit(reply.history, params, session=s.title, overflow=overflow)
         reply.request_id = rid
         self.by_request[rid] = reply
+        self._set_phase(reply, QUEUED)
 
     def _submit_queued(self) -> None:
         for reply in list(self.replies.values()):
@@ -243,6 +285,8 @@ class ChatController(QObject):
             return
         reply.chunks.append(text)
         reply.tokens += 1
+        if reply.phase is not None:
+            self._set_phase(reply, None)
         self.store.update_message(reply.message_id, reply.text, reply.tokens)
         shown = self.messages.get(reply.session_id)
         if shown:
@@ -294,5 +338,6 @@ class ChatController(QObject):
         shown = self.messages.get(reply.session_id)
         if shown:
             shown[-1].update(content=content, status=status)
+            shown[-1].pop("phase", None)
         self.reply_finished.emit(reply.session_id, status)
         self.busy_changed.emit(reply.session_id, False)

@@ -133,6 +133,8 @@ def conversation_markdown(messages: list[dict], expanded: set | frozenset = froz
             )
         label = f"**{ROLE_LABELS.get(m['role'], m['role'])}**"
         note = STATUS_NOTES.get(m.get("status", "done"))
+        if note and m.get("status") == "streaming" and m.get("phase"):
+            note = f"{m['phase']}…"  # before the first token: loading, queued, reading
         if note:
             label += f" — *{note}*"
         body = _closed(m.get("content") or ("…" if m.get("status") == "streaming" else ""))

@@ -322,8 +322,19 @@ def test_message_sent_while_loading_is_answered_once_ready(qtbot, env: Path) -> 
     w.show()
     w.start_engine()
     assert not w.bridge.ready
+    phases: list = []
+    w.controller.token.connect(
+        lambda sid, _t: phases.append(w.controller.messages[sid][-1].get("phase"))
+    )
     w.send("asked during loading")  # queued until the engine is up
+    # The reply says what it waits for, not "generating…" with no model loaded.
+    w._render_dirty()
+    assert "waiting for the model to load" in w.view.toPlainText()
+    assert "generating" not in w.view.toPlainText()
     qtbot.waitUntil(lambda: w.bridge.ready and not w.controller.replies, timeout=60_000)
+    seen = [p for p in phases if p]
+    assert seen[0].startswith("waiting for the model to load") and "queued" in seen
+    assert phases[-1] is None and "phase" not in w.controller.messages[w.current_id][-1]
     sid = w.current_id
     history = w.store.history(sid)[:-1]
     assert history[-1] == {"role": "user", "content": "asked during loading"}
@@ -413,4 +424,28 @@ def test_a_chat_that_outgrows_the_context_goes_on_and_says_so(qtbot, env: Path) 
     last = w.store.messages(sid)[-1]
     assert last.status == "done" and last.data.get("dropped", 0) >= 2  # whole turns
     qtbot.waitUntil(lambda: "no longer fit the model's context" in w.view.shown_markdown)
+    close_window(w)
+
+
+def test_a_reply_reading_its_prompt_says_how_far_it_is(qtbot, env: Path) -> None:
+    """The engine's snapshot (scripted here, as the engine would send it) drives the label
+    of a reply that has no token yet."""
+    from dataclasses import replace
+
+    from backend.messages import RequestProgress
+    from tests.app.test_panels import EMPTY
+
+    w = open_window(qtbot, settings_for(env, max_tokens=8))
+    w.send("hello there")
+    sid = w.current_id
+    reply = w.controller.replies[sid]
+    assert w.controller.messages[sid][-1]["phase"] == "queued"
+    n = w.controller.bridge.service.model.config.n_layers
+    reading = RequestProgress(reply.request_id, "hello", 2, n, "computing", 0)
+    w.controller._on_metrics(replace(EMPTY, requests=(reading,)))
+    w._render_dirty()
+    assert f"reading the prompt: layer 3 of {n}…" in w.view.toPlainText()
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    w._render_dirty()
+    assert "reading the prompt" not in w.view.toPlainText()
     close_window(w)
