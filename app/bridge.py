@@ -45,6 +45,7 @@ class Bridge(QObject):
     _loaded = Signal(int, object, object, str)  # load generation, service or None, config, error
     _engine_died = Signal(str)
     _progress = Signal(int, int)
+    _phase = Signal(int, str)  # load generation, what the loader is doing
     _compared = Signal(object, str)
     _logged = Signal(str)
 
@@ -71,6 +72,7 @@ class Bridge(QObject):
         self._loaded.connect(self._on_loaded)
         self._engine_died.connect(self._on_engine_died)
         self._progress.connect(self.load_progress)
+        self._phase.connect(self._on_phase)
         self._compared.connect(self.compare_done)
         self._logged.connect(self.compare_log)
 
@@ -104,7 +106,9 @@ class Bridge(QObject):
         # Objects frozen when the old engine came up (see _on_loaded) must become
         # collectable again, or its weights and slots stay in memory for good.
         gc.unfreeze()
-        self._set_state("loading", str(model_path or "demo MoE"))
+        self._set_state(
+            "loading", f"Loading {Path(model_path).name if model_path else 'the demo MoE'}"
+        )
         holder = [old] if old is not None else []  # the worker drops the last reference
         self._loader = threading.Thread(
             target=self._load_worker,
@@ -121,7 +125,12 @@ class Bridge(QObject):
             if holder:
                 holder.pop().close()  # in-flight replies end with Finished(abort) / ErrorEvent
                 gc.collect()  # free the old model before the new one loads beside it
-            service, resolved = api.open_service(model_path, config, progress=self._progress.emit)
+            service, resolved = api.open_service(
+                model_path,
+                config,
+                progress=self._progress.emit,
+                phase=lambda text: self._phase.emit(generation, text),
+            )
         except Exception as exc:  # any failure is shown in the window, never a crash
             self._loaded.emit(generation, None, config, f"{exc}")
             return
@@ -129,6 +138,11 @@ class Bridge(QObject):
             service.close()
             return
         self._loaded.emit(generation, service, resolved, "")
+
+    @Slot(int, str)
+    def _on_phase(self, generation: int, text: str) -> None:
+        if generation == self._generation and self.state == "loading":
+            self._set_state("loading", text)
 
     @Slot(int, object, object, str)
     def _on_loaded(self, generation: int, service, config: EngineConfig, error: str) -> None:

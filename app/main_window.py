@@ -20,12 +20,13 @@ from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
+    QFrame,
     QHBoxLayout,
     QLabel,
     QMainWindow,
     QMenu,
     QMessageBox,
-    QProgressDialog,
+    QProgressBar,
     QPushButton,
     QSplitter,
     QVBoxLayout,
@@ -67,7 +68,6 @@ class MainWindow(QMainWindow):
         self.error_box: QMessageBox | None = None
         self._agent_dialog: NewAgentDialog | None = None
         self._dirty: set[int] = set()
-        self._load_dialog: QProgressDialog | None = None
         self._latest: MetricsSnapshot | None = None
 
         self.sessions = SessionList()
@@ -90,8 +90,22 @@ class MainWindow(QMainWindow):
         col.addWidget(self.send_button)
         col.addWidget(self.stop_button)
         buttons.addLayout(col)
+        # Loading shows here, in the window: a separate progress dialog fell behind it.
+        self.loading = QFrame()
+        self.loading.setFrameShape(QFrame.Shape.StyledPanel)
+        self.loading_label = QLabel()
+        self.loading_label.setWordWrap(True)
+        self.loading_bar = QProgressBar()
+        self.loading_bar.setRange(0, 0)  # busy until the loader reports a fraction
+        self.loading_bar.setMaximumWidth(220)
+        bar_row = QHBoxLayout(self.loading)
+        bar_row.setContentsMargins(8, 4, 8, 4)
+        bar_row.addWidget(self.loading_label, 1)
+        bar_row.addWidget(self.loading_bar)
+        self.loading.hide()
         layout = QVBoxLayout(center)
         layout.addLayout(row)
+        layout.addWidget(self.loading)
         layout.addWidget(self.view, 1)
         layout.addWidget(self.approval)
         layout.addLayout(buttons)
@@ -232,20 +246,13 @@ class MainWindow(QMainWindow):
 
     def _on_state(self, state: str, detail: str) -> None:
         if state == "loading":
-            if self._load_dialog is None:
-                self._load_dialog = QProgressDialog("Loading the model…", "", 0, 0, self)
-                self._load_dialog.setWindowTitle("Bevy")
-                self._load_dialog.setCancelButton(None)
-                self._load_dialog.setMinimumDuration(300)
-                # Not modal: a modal QProgressDialog pumps events inside setValue(), which
-                # would re-enter this slot; sessions stay readable while a model loads.
-                self._load_dialog.setWindowModality(Qt.WindowModality.NonModal)
-            self._load_dialog.setLabelText(f"Loading {Path(detail).name}…")
+            if self.loading.isHidden() or self.loading.property("phase") != detail:
+                self.loading_bar.setRange(0, 0)  # a new phase: busy until it reports
+            self.loading.setProperty("phase", detail)
+            self.loading_label.setText(f"{detail}…")
+            self.loading.show()
         else:
-            if self._load_dialog is not None:
-                self._load_dialog.reset()
-                self._load_dialog.deleteLater()
-                self._load_dialog = None
+            self.loading.hide()
             if state == "error":
                 self.show_error("The model could not be loaded", detail)
             elif state == "failed":
@@ -256,9 +263,9 @@ class MainWindow(QMainWindow):
         self._update_status()
 
     def _on_load_progress(self, done: int, total: int) -> None:
-        if self._load_dialog is not None:
-            self._load_dialog.setMaximum(total)
-            self._load_dialog.setValue(done)
+        if not self.loading.isHidden() and total > 0:
+            self.loading_bar.setRange(0, total)
+            self.loading_bar.setValue(done)
 
     def _on_api(self, url: str) -> None:
         self.status_api.setText(f"API: {url}" if url else "")

@@ -104,13 +104,21 @@ def open_service(
     model_path: str | Path | None,
     config: EngineConfig,
     progress: Callable[[int, int], None] | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> tuple[EngineService, EngineConfig]:
     """Load a model (the demo MoE when ``model_path`` is None) and start its engine.
-    Returns the running service and the config with ``device="auto"`` resolved."""
+    Returns the running service and the config with ``device="auto"`` resolved.
+    ``phase`` hears what is being done ("Building the demo MoE…", "Loading <file>…");
+    ``progress`` the loading's (done, total)."""
+    from backend.demo.build import demo_is_built
     from backend.serving.service import EngineService, resolve_device
 
+    say = phase or (lambda _text: None)
     if model_path is None:
+        if not demo_is_built():
+            say("Building the demo MoE (first run: a 93 MB download, then about a minute)")
         model_path = ensure_demo()
+    say(f"Loading {Path(model_path).name}")
     resolved = EngineConfig(**{**vars(config), "device": resolve_device(config.device)})
     return EngineService.open(model_path, resolved, progress=progress), resolved
 

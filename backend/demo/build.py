@@ -190,9 +190,14 @@ def demo_version(path: Path) -> int | None:
     return int(version) if version is not None else None
 
 
+def demo_is_built() -> bool:
+    """Whether the demo MoE is in the cache, built by this recipe."""
+    path = demo_path()
+    return path.exists() and demo_version(path) == VERSION
+
+
 def ensure_demo(quiet: bool = False) -> Path:
     """The demo MoE's path, building it on first use (or when the recipe changed)."""
-    path = demo_path()
-    if path.exists() and demo_version(path) == VERSION:
-        return path
-    return build_demo(path, quiet=quiet).path
+    if demo_is_built():
+        return demo_path()
+    return build_demo(demo_path(), quiet=quiet).path

@@ -326,6 +326,8 @@ def test_message_sent_while_loading_is_answered_once_ready(qtbot, env: Path) -> 
     w.controller.token.connect(
         lambda sid, _t: phases.append(w.controller.messages[sid][-1].get("phase"))
     )
+    # Loading shows inside the window (a separate dialog fell behind it).
+    assert not w.loading.isHidden() and w.loading_label.text() == f"Loading {env.name}…"
     w.send("asked during loading")  # queued until the engine is up
     # The reply says what it waits for, not "generating…" with no model loaded.
     w._render_dirty()
@@ -335,6 +337,7 @@ def test_message_sent_while_loading_is_answered_once_ready(qtbot, env: Path) -> 
     seen = [p for p in phases if p]
     assert seen[0].startswith("waiting for the model to load") and "queued" in seen
     assert phases[-1] is None and "phase" not in w.controller.messages[w.current_id][-1]
+    assert w.loading.isHidden()
     sid = w.current_id
     history = w.store.history(sid)[:-1]
     assert history[-1] == {"role": "user", "content": "asked during loading"}
