@@ -15,6 +15,7 @@ the message, so no session is ever left waiting.
 
 from __future__ import annotations
 
+import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ class Reply:
     chunks: list[str] = field(default_factory=list)
     tokens: int = 0
     phase: str | None = None  # before the first token: LOADING, QUEUED, reading the prompt
+    submitted_at: float | None = None  # time.monotonic() when the engine was asked
+    first_token_at: float | None = None
 
     @property
     def text(self) -> str:
@@ -267,6 +270,7 @@ class ChatController(QObject):
         overflow = (s.sampling or {}).get("context_overflow", DEFAULT_OVERFLOW)
         rid = self.bridge.submit(reply.history, params, session=s.title, overflow=overflow)
         reply.request_id = rid
+        reply.submitted_at = time.monotonic()
         self.by_request[rid] = reply
         self._set_phase(reply, QUEUED)
 
@@ -285,6 +289,8 @@ class ChatController(QObject):
             return
         reply.chunks.append(text)
         reply.tokens += 1
+        if reply.first_token_at is None:
+            reply.first_token_at = time.monotonic()
         if reply.phase is not None:
             self._set_phase(reply, None)
         self.store.update_message(reply.message_id, reply.text, reply.tokens)
@@ -298,14 +304,31 @@ class ChatController(QObject):
         if reply is None:
             return
         status = {"abort": "stopped", "error": "error"}.get(ev.reason, "done")
+        data = {"stats": self._reply_stats(reply, ev)}
         if ev.dropped_messages:  # the view says where the model's view of the chat began
-            data = {"dropped": ev.dropped_messages}
-            with suppress(StoreError):
-                self.store.set_message_data(reply.message_id, data)
-            shown = self.messages.get(reply.session_id)
-            if shown:
-                shown[-1]["data"] = data
-        self._end_reply(reply, status, None, ev.text, ev.prompt_tokens, ev.completion_tokens)
+            data["dropped"] = ev.dropped_messages
+        self._end_reply(reply, status, None, ev.text, ev.prompt_tokens, ev.completion_tokens, data)
+
+    def _reply_stats(self, reply: Reply, ev: Finished) -> dict:
+        """What the footer under a reply shows: its tokens, speed, wait, why it ended, and
+        the model and policy that made it."""
+        now = time.monotonic()
+        first, n = reply.first_token_at, ev.completion_tokens
+        config = self.bridge.config
+        return {
+            "tokens": n,
+            "prompt_tokens": ev.prompt_tokens,
+            # Decode speed: the tokens after the first, over the time they took.
+            "tok_s": (n - 1) / (now - first)
+            if first is not None and n > 1 and now > first
+            else None,
+            "ttft_s": first - reply.submitted_at
+            if first is not None and reply.submitted_at
+            else None,
+            "reason": ev.reason,
+            "model": self.bridge.model_name,
+            "policy": config.policy if config is not None else "",
+        }
 
     def _on_failed(self, request_id: str, message: str) -> None:
         reply = self.by_request.get(request_id)
@@ -320,6 +343,7 @@ class ChatController(QObject):
         text: str | None = None,
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
+        data: dict | None = None,
     ) -> None:
         content = text if text is not None else reply.text
         if error:
@@ -331,6 +355,7 @@ class ChatController(QObject):
                 status,
                 prompt_tokens,
                 completion_tokens if completion_tokens is not None else reply.tokens,
+                data,
             )
         self.replies.pop(reply.session_id, None)
         if reply.request_id is not None:
@@ -339,5 +364,7 @@ class ChatController(QObject):
         if shown:
             shown[-1].update(content=content, status=status)
             shown[-1].pop("phase", None)
+            if data is not None:
+                shown[-1]["data"] = data
         self.reply_finished.emit(reply.session_id, status)
         self.busy_changed.emit(reply.session_id, False)

@@ -41,6 +41,27 @@ APPROVALS = {
 }
 
 
+REASONS = {"stop": "finished", "length": "hit the token limit", "abort": "stopped"}
+
+
+def reply_footer(stats: dict | None) -> str:
+    """The line under a finished reply: tokens, speed, time to first token, why it ended,
+    model and policy (Markdown; "" without stats, as for replies from before they were kept)."""
+    if not stats:
+        return ""
+    n = stats.get("tokens", 0)
+    parts = [f"{n} token{'s' if n != 1 else ''}"]
+    if stats.get("tok_s") is not None:
+        parts.append(f"{stats['tok_s']:.1f} tok/s")
+    if stats.get("ttft_s") is not None:
+        parts.append(f"first token {stats['ttft_s']:.2f} s")
+    parts.append(REASONS.get(stats.get("reason", ""), stats.get("reason", "")))
+    parts += [
+        p for p in (stats.get("model"), stats.get("policy") and f"policy {stats['policy']}") if p
+    ]
+    return "*" + " · ".join(p for p in parts if p).replace("*", "\\*") + "*"
+
+
 def _fence(text: str, lang: str = "") -> str:
     """``text`` in a code block whose fence no run of backticks in it can close."""
     longest = max((len(r) for r in re.findall(r"`+", text)), default=0)
@@ -138,7 +159,8 @@ def conversation_markdown(messages: list[dict], expanded: set | frozenset = froz
         if note:
             label += f" — *{note}*"
         body = _closed(m.get("content") or ("…" if m.get("status") == "streaming" else ""))
-        parts.append(f"{label}\n\n{body}")
+        footer = reply_footer(data.get("stats")) if m.get("status") != "streaming" else ""
+        parts.append(f"{label}\n\n{body}" + (f"\n\n{footer}" if footer else ""))
     return "\n\n---\n\n".join(parts)
 
 

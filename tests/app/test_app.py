@@ -136,8 +136,9 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
         assert (last_msg.role, last_msg.status, last_msg.content) == ("assistant", "done", text)
         w.sessions.select(sid)
         qtbot.waitUntil(
-            lambda sid=sid: w.view.shown_markdown.endswith(
-                w.controller.messages[sid][-1]["content"]
+            lambda sid=sid, last_msg=last_msg: (
+                f"{last_msg.content}\n\n*{last_msg.completion_tokens} token"
+                in w.view.shown_markdown
             )
         )
     # Panels received snapshots and drew them.
@@ -234,7 +235,9 @@ def test_restart_restores_sessions_and_messages(qtbot, env: Path) -> None:
     assert sorted(w2.sessions.titles()) == sorted(["Kept", "New agent session"])
     w2.sessions.select(a)
     assert [m["content"] for m in w2.controller.messages[a]] == ["remember me", reply]
-    assert w2.view.shown_markdown.endswith(reply)
+    # The reply and its footer, read back from the store.
+    n = w2.store.messages(a)[-1].completion_tokens
+    assert f"{reply}\n\n*{n} token" in w2.view.shown_markdown
     assert w2.store.session(b).kind == "agent"
     w2.sessions.search.setText("kep")
     assert w2.sessions.titles() == ["Kept"]
@@ -450,5 +453,12 @@ def test_a_reply_reading_its_prompt_says_how_far_it_is(qtbot, env: Path) -> None
     assert f"reading the prompt: layer 3 of {n}…" in w.view.toPlainText()
     qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     w._render_dirty()
-    assert "reading the prompt" not in w.view.toPlainText()
+    text = w.view.toPlainText()
+    assert "reading the prompt" not in text
+    # The footer under the reply: what it cost and why it ended, kept with the message.
+    stats = w.store.messages(sid)[-1].data["stats"]
+    n = w.store.messages(sid)[-1].completion_tokens
+    assert stats["tokens"] == n and stats["ttft_s"] > 0 and stats["policy"] == "bevy"
+    reason = "hit the token limit" if n == 8 else "finished"
+    assert f"{n} tokens · " in text and " tok/s · first token " in text and reason in text
     close_window(w)

@@ -42,3 +42,23 @@ def test_a_card_fences_output_that_holds_fences() -> None:
         }
     )
     assert "````\na\n```\nb\n````" in card and "`x.md`" in card
+
+
+def test_reply_footer_says_cost_and_why_it_ended() -> None:
+    from app.widgets.chat import reply_footer
+
+    stats = {
+        "tokens": 42,
+        "tok_s": 17.25,
+        "ttft_s": 0.4,
+        "reason": "length",
+        "model": "demo",
+        "policy": "bevy",
+    }
+    assert reply_footer(stats) == (
+        "*42 tokens · 17.2 tok/s · first token 0.40 s · hit the token limit · demo · policy bevy*"
+    )
+    assert reply_footer({"tokens": 1, "tok_s": None, "ttft_s": None, "reason": "abort"}) == (
+        "*1 token · stopped*"
+    )
+    assert reply_footer(None) == ""
