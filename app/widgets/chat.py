@@ -10,7 +10,13 @@ import json
 import re
 
 from PySide6.QtCore import Qt, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QFontDatabase, QKeyEvent, QKeySequence
+from PySide6.QtGui import (
+    QDesktopServices,
+    QFontDatabase,
+    QGuiApplication,
+    QKeyEvent,
+    QKeySequence,
+)
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -21,6 +27,8 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
     QWidget,
 )
+
+from app.widgets.markdown import CodeTheme, render
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool"}
 STATUS_NOTES = {
@@ -174,11 +182,16 @@ class ConversationView(QTextBrowser):
         self.anchorClicked.connect(self._on_link)
         self.setPlaceholderText("Start typing below. Enter sends, Shift+Enter adds a line.")
         self._shown = ""
+        self._code: list[str] = []  # the shown code blocks' text, for their copy links
         self._messages: list[dict] = []
         self.expanded: set[int] = set()  # message ids of tool cards shown whole
 
     def _on_link(self, url: QUrl) -> None:
-        if url.scheme() == "card":
+        if url.scheme() == "copy":  # a code block's copy link
+            n = int(url.path() or url.toString().split(":", 1)[1])
+            if 0 <= n < len(self._code):
+                QGuiApplication.clipboard().setText(self._code[n])
+        elif url.scheme() == "card":
             key = int(url.path() or url.toString().split(":", 1)[1])
             self.expanded.symmetric_difference_update({key})
             self.show_messages(self._messages)
@@ -194,7 +207,10 @@ class ConversationView(QTextBrowser):
         at_bottom = bar.value() >= bar.maximum() - 4
         keep = bar.value()
         self._shown = text
-        self.setMarkdown(text)
+        dark = self.palette().base().color().lightness() < 128
+        rendered = render(text, CodeTheme(dark=dark))
+        self._code = rendered.code
+        self.setHtml(rendered.html)
         bar.setValue(bar.maximum() if at_bottom else keep)
 
     @property

@@ -62,3 +62,63 @@ def test_reply_footer_says_cost_and_why_it_ended() -> None:
         "*1 token · stopped*"
     )
     assert reply_footer(None) == ""
+
+
+CONVERSATION = [
+    {
+        "role": "user",
+        "content": "Add two numbers in Python, and show it in a shell.",
+        "status": "done",
+    },
+    {
+        "role": "assistant",
+        "content": (
+            "Here is a **function**:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\n"
+            "Run it:\n\n```bash\npython -c 'print(add(2, 3))'\n```\n\n<b>raw html</b> stays text."
+        ),
+        "status": "done",
+        "data": {
+            "stats": {
+                "tokens": 48,
+                "tok_s": 21.4,
+                "ttft_s": 0.31,
+                "reason": "stop",
+                "model": "SmolLM2-135M-Instruct-MoE-32x4.Q4_1",
+                "policy": "bevy",
+            }
+        },
+    },
+]
+
+
+def test_code_blocks_are_highlighted_labelled_and_copyable() -> None:
+    from app.widgets.markdown import CodeTheme, render
+
+    out = render(conversation_markdown(CONVERSATION), CodeTheme())
+    assert out.code == ["def add(a, b):\n    return a + b", "python -c 'print(add(2, 3))'"]
+    assert ">python<" in out.html and ">bash<" in out.html  # the language labels
+    assert 'href="copy:0"' in out.html and 'href="copy:1"' in out.html
+    assert 'style="color: #008000; font-weight: bold">def<' in out.html  # Pygments' colours
+    assert "&lt;b&gt;raw html&lt;/b&gt;" in out.html  # a message's HTML is not run
+    dark = render("```python\nx = 1\n```", CodeTheme(dark=True)).html
+    assert CodeTheme(dark=True).background in dark and CodeTheme().background not in dark
+
+
+def test_the_copy_link_puts_the_block_on_the_clipboard(qtbot) -> None:
+    from PySide6.QtCore import QUrl
+    from PySide6.QtGui import QGuiApplication
+
+    from app.widgets.chat import ConversationView
+    from tests.app.test_panels import ARTIFACTS
+
+    view = ConversationView()
+    qtbot.addWidget(view)
+    view.show_messages(CONVERSATION)
+    assert "def add(a, b):" in view.toPlainText() and "21.4 tok/s" in view.toPlainText()
+    view.anchorClicked.emit(QUrl("copy:1"))
+    assert QGuiApplication.clipboard().text() == "python -c 'print(add(2, 3))'"
+    view.resize(640, 520)
+    view.show()
+    qtbot.waitExposed(view)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    view.grab().save(str(ARTIFACTS / "conversation_code_and_footer.png"))
