@@ -95,10 +95,27 @@ def fit_chat(
     if len(ids) <= limit or policy == "error":
         return ids, given - len(messages)
     keep, rest = _split(messages, policy == "truncate_middle")
-    while len(ids) > limit and (cut := _droppable(rest)):
-        rest = rest[cut:]
-        ids = chat_prompt_ids(model, keep + rest, tools)
-    return ids, given - len(keep) - len(rest)
+    # starts[k]: where ``rest`` begins with its k oldest turns dropped. Fewer turns never
+    # take more tokens, so the fewest to drop is found by bisection: a few renders of
+    # the chat instead of one per turn (7.4 s for a 620 KB chat of 72 turns, one by one).
+    starts = [0]
+    while cut := _droppable(rest[starts[-1] :]):
+        starts.append(starts[-1] + cut)
+    tried = {0: ids}
+
+    def prompt(k: int) -> list[int]:
+        if k not in tried:
+            tried[k] = chat_prompt_ids(model, keep + rest[starts[k] :], tools)
+        return tried[k]
+
+    lo, hi = 0, len(starts) - 1  # prompt(lo) does not fit; prompt(hi) is the shortest
+    if len(prompt(hi)) > limit:
+        lo = hi  # even the last turn alone is too long: the caller refuses it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(prompt(mid)) <= limit else (mid, hi)
+    k = hi
+    return prompt(k), given - len(keep) - (len(rest) - starts[k])
 
 
 def prompt_room(model: LoadedModel, max_tokens: int) -> int:

@@ -80,3 +80,26 @@ def test_text_too_long_for_any_tokens_is_judged_before_tokenizing(model, monkeyp
     ]
     ids, dropped = fit_chat(model, history, None, 100, "rolling")
     assert dropped == 2 and ids == chat_prompt_ids(model, [history[0], history[3]])
+
+
+@pytest.mark.parametrize("policy", ["rolling", "truncate_middle"])
+def test_the_fewest_turns_go_at_every_limit(model, policy) -> None:
+    """Bisection over the turns finds what dropping them one at a time finds."""
+    messages = chat(9)
+    full = len(chat_prompt_ids(model, messages))
+    for limit in range(full // 8, full + 1, max(1, full // 23)):
+        ids, dropped = fit_chat(model, messages, None, limit, policy)
+        head = 1 if policy == "rolling" else 3  # system prompt (and the first turn)
+        fewest = next(
+            (
+                k
+                for k in range(0, len(messages) - head, 2)
+                if len(chat_prompt_ids(model, messages[:head] + messages[head + k :])) <= limit
+            ),
+            None,
+        )
+        if fewest is None:  # even the last turn alone does not fit: all droppable went
+            assert len(ids) > limit
+        else:
+            assert dropped == fewest and len(ids) <= limit, (limit, dropped, fewest)
+            assert ids == chat_prompt_ids(model, messages[:head] + messages[head + fewest :])
