@@ -115,6 +115,22 @@ class CachePanel(ThemedPanel):
         self.residency = np.zeros((0, 0), dtype=np.uint8)
         self._show_map_axes(False)
 
+        self.hit_rate_label.setToolTip(
+            "Share of expert uses found already in the cache, since the model loaded."
+        )
+        self.occupancy_label.setToolTip(
+            "Cache slots holding an expert, of all the slots the cache budget buys "
+            "(Model → Settings → cache)."
+        )
+        self.pinned_label.setToolTip(
+            "Slots held for a request that is about to compute with them: they cannot be "
+            "evicted until it has."
+        )
+        self.hit_plot.setToolTip("The hit rate over the last minute.")
+        self.map_plot.setToolTip(
+            "Which experts are in the cache now: one row per layer, one column per expert; "
+            "coloured cells are resident."
+        )
         grid = QGridLayout()
         grid.addWidget(QLabel(f"hit rate, last {history_s:g} s"), 0, 0)
         grid.addWidget(QLabel("resident experts (layer × expert)"), 0, 1)

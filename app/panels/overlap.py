@@ -141,6 +141,19 @@ class OverlapPanel(ThemedPanel):
             label.setFont(bold)
             header.addWidget(label)
         header.addStretch(1)
+        self.both_busy_label.setToolTip(
+            "Share of the last 2 s in which experts were being read (the link) while the "
+            "model computed: the overlap runahead exists to create."
+        )
+        self.compute_wait_label.setToolTip(
+            "Share of the last 2 s in which compute sat idle while requests were running, "
+            "waiting for experts to arrive. Lower is better."
+        )
+        self.runahead_label.setToolTip(
+            "on: requests advance layer by layer on their own, so the link fetches what "
+            "is known to be needed while compute runs others. limited: the cache is too "
+            "small for every request's experts at once. off: a lockstep policy (sync)."
+        )
 
         self.plot = make_plot(theme)
         item = self.plot.getPlotItem()
@@ -159,6 +172,10 @@ class OverlapPanel(ThemedPanel):
         for it in (self.link_item, self.compute_item, self.both_item):
             item.addItem(it)
 
+        self.plot.setToolTip(
+            "The last seconds, left to right. link: expert reads (SSD or host memory into "
+            "the cache). compute: the model's layers running. both: the two at once."
+        )
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(header)

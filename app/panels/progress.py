@@ -40,6 +40,12 @@ STATE_LABELS = {
     "waiting": "waiting for experts",
     "queued": "queued",
 }
+STATE_TIPS = {
+    "computing": "A compute job ran for it in the last moment.",
+    "ready": "Its experts for this layer are in the cache: it computes when its turn comes.",
+    "waiting": "Some of its experts for this layer are still being read into the cache.",
+    "queued": "Not admitted yet: waiting for room (KV memory or the most requests at once).",
+}
 STATE_ROLE = Qt.ItemDataRole.UserRole + 1  # the raw state string of a row
 FRACTION_ROLE = Qt.ItemDataRole.UserRole + 2  # layer / n_layers, 0..1
 COLOR_ROLE = Qt.ItemDataRole.UserRole + 3  # QColor of the row's state
@@ -209,6 +215,10 @@ class ProgressPanel(ThemedPanel):
         bold.setBold(True)
         self.summary_label = QLabel("no active requests")
         self.summary_label.setFont(bold)
+        self.summary_label.setToolTip(
+            "Requests in the engine: the layer each is at (of the model's layers) in the "
+            "token it is working on, and what it is doing."
+        )
 
         self.view = QTableView()
         self.view.setModel(self.model)
@@ -231,7 +241,10 @@ class ProgressPanel(ThemedPanel):
             swatch = QLabel()
             self._swatches[state] = swatch
             self._legend.addWidget(swatch)
-            self._legend.addWidget(QLabel(STATE_LABELS[state]))
+            label = QLabel(STATE_LABELS[state])
+            label.setToolTip(STATE_TIPS[state])
+            swatch.setToolTip(STATE_TIPS[state])
+            self._legend.addWidget(label)
             self._legend.addSpacing(10)
         self._legend.addStretch(1)
 

@@ -64,6 +64,10 @@ class ThroughputPanel(ThemedPanel):
         item.addItem(self.total_curve)
         self.session_curves: dict[str, pg.PlotDataItem] = {}
 
+        self.summary_label.setToolTip(
+            "Tokens generated per second by all sessions together, and since the model loaded."
+        )
+        self.plot.setToolTip("Tokens per second over the last minute: all, and each session.")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.summary_label)

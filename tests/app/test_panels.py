@@ -436,3 +436,26 @@ def test_panels_render_on_both_palettes(qtbot: QtBot, theme: str) -> None:
         pixmap = panel.grab()
         assert not pixmap.isNull()
         assert pixmap.save(str(ARTIFACTS / f"{name}_{theme}.png"))
+
+
+def test_every_figure_and_lane_explains_itself(qtbot: QtBot) -> None:
+    from PySide6.QtWidgets import QLabel
+
+    panels = [OverlapPanel(), CachePanel(), ProgressPanel(), ThroughputPanel()]
+    for panel in panels:
+        qtbot.addWidget(panel)
+        panel.update_snapshot(snapshot(1))
+        # Each figure in a header, each legend entry, each plot has a one-line explanation.
+        figures = [
+            label
+            for label in panel.findChildren(QLabel)
+            if label.text() and any(ch.isalpha() for ch in label.text())
+        ]
+        plots = [w for w in vars(panel).values() if type(w).__name__ == "PlotWidget"]
+        for widget in figures + plots:
+            text = widget.text() if isinstance(widget, QLabel) else type(widget).__name__
+            if isinstance(widget, QLabel) and widget.parent() is not panel:
+                continue  # inside a plot or table: explained by it
+            if text.startswith(("hit rate, last", "resident experts")):
+                continue  # captions of plots that have their own tooltip
+            assert widget.toolTip(), f"{type(panel).__name__}: {text!r} has no tooltip"
