@@ -52,6 +52,13 @@ RENDER_INTERVAL_MS = 66  # a streaming reply re-renders at most ~15 times a seco
 PANEL_STAGGER_MS = 20
 
 
+UNDO_MS = 10_000  # how long a deleted session can be brought back
+
+
+def _short(title: str, n: int = 32) -> str:
+    return title if len(title) <= n else title[: n - 1].rstrip() + "…"
+
+
 class MainWindow(QMainWindow):
     def __init__(self, store: Store, bridge: Bridge | None = None) -> None:
         super().__init__()
@@ -141,6 +148,15 @@ class MainWindow(QMainWindow):
         self.status_api = QLabel()
         for w in (self.status_model, self.status_engine, self.status_speed, self.status_api):
             self.statusBar().addPermanentWidget(w)
+        self.undo_button = QPushButton()
+        self.undo_button.setFlat(True)
+        self.undo_button.clicked.connect(self.undo_delete)
+        self.undo_button.hide()
+        self.statusBar().insertWidget(0, self.undo_button)
+        self._pending_delete: tuple[int, str, str] | None = None
+        self._undo_timer = QTimer(self)
+        self._undo_timer.setSingleShot(True)
+        self._undo_timer.timeout.connect(self.commit_delete)
         self._build_menus()
 
         self.sessions.selected.connect(self.show_session)
@@ -397,11 +413,39 @@ class MainWindow(QMainWindow):
             self.show_session(session_id)
 
     def delete_session(self, session_id: int) -> None:
-        self.controller.delete_session(session_id)
+        """Take the session out of the list and stop its reply; it is deleted for good
+        after ``UNDO_MS`` unless Undo (in the status bar) brings it back."""
+        self.commit_delete()  # one still waiting for its undo goes now
+        session = self.store.session(session_id)
+        self._pending_delete = (session_id, session.title, session.kind)
+        self.controller.stop(session_id)
         self.sessions.remove(session_id)
         if self.current_id is None:
             self.view.show_messages([])
             self.title_label.setText("")
+        self.undo_button.setText(f"Undo delete of “{_short(session.title)}”")
+        self.undo_button.show()
+        self._undo_timer.start(UNDO_MS)
+
+    def undo_delete(self) -> None:
+        """Bring back the session deleted last, while its undo lasts."""
+        if self._pending_delete is None:
+            return
+        session_id, title, kind = self._pending_delete
+        self._pending_delete = None
+        self._undo_timer.stop()
+        self.undo_button.hide()
+        self.sessions.add_session(session_id, title, kind)
+        self.sessions.select(session_id)
+
+    def commit_delete(self) -> None:
+        """Delete for good the session waiting for its undo, if any."""
+        self._undo_timer.stop()
+        self.undo_button.hide()
+        if self._pending_delete is not None:
+            session_id = self._pending_delete[0]
+            self._pending_delete = None
+            self.controller.delete_session(session_id)
 
     def export_session(self, session_id: int | None, path: str | None = None) -> Path | None:
         if session_id is None:
@@ -518,6 +562,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 (Qt override)
         self._render_timer.stop()
         self.controller.stop_all()
+        self.commit_delete()
         self.compare.close()
         self.bridge.shutdown()
         self.store.flush()

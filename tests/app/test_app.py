@@ -388,6 +388,8 @@ def test_reload_frees_the_old_engine_and_delete_mid_stream_is_clean(qtbot, env: 
     qtbot.waitUntil(lambda: w.controller.replies[sid].tokens > 3, timeout=60_000)
     w.delete_session(sid)  # tokens still queued for it must go nowhere, quietly
     qtbot.wait(200)
+    assert sid not in w.sessions.titles() and not w.undo_button.isHidden()
+    w.commit_delete()  # what the undo's time running out does
     assert sid not in [s.id for s in w.store.list_sessions()] and not w.controller.replies
     old = weakref.ref(w.bridge.service.engine)
     w.apply_settings({**w.settings, "cache": "6"})
@@ -461,4 +463,28 @@ def test_a_reply_reading_its_prompt_says_how_far_it_is(qtbot, env: Path) -> None
     assert stats["tokens"] == n and stats["ttft_s"] > 0 and stats["policy"] == "bevy"
     reason = "hit the token limit" if n == 8 else "finished"
     assert f"{n} tokens · " in text and " tok/s · first token " in text and reason in text
+    close_window(w)
+
+
+def test_a_deleted_session_can_be_brought_back_until_its_undo_runs_out(
+    qtbot, env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("app.main_window.UNDO_MS", 800)  # 10 s in use
+    w = open_window(qtbot, settings_for(env, max_tokens=4))
+    keep = w.new_session("chat")
+    w.send("first", session_id=keep)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    other = w.new_session("chat")
+    w.rename_session(keep, "Worth keeping")
+    before = [m.content for m in w.store.messages(keep)]
+    w.delete_session(keep)
+    assert "Worth keeping" not in w.sessions.titles()
+    assert "Undo" in w.undo_button.text() and not w.undo_button.isHidden()
+    w.undo_button.click()
+    assert "Worth keeping" in w.sessions.titles() and w.current_id == keep
+    assert [m.content for m in w.store.messages(keep)] == before and w.undo_button.isHidden()
+    w.delete_session(other)
+    qtbot.waitUntil(lambda: w.undo_button.isHidden(), timeout=5_000)  # it ran out
+    assert other not in [s.id for s in w.store.list_sessions()]
+    assert keep in [s.id for s in w.store.list_sessions()]
     close_window(w)
