@@ -2,13 +2,14 @@
 tables, strikethrough; raw HTML in a message is shown as text), Pygments for code.
 
 Code blocks become a one-cell table (Qt's rich text draws backgrounds reliably on table
-cells) under a header with the language and a ``copy:<n>`` link; ``Rendered.code`` holds
+cells) under a header with the language and a ``copy:`` link; ``Rendered.code`` holds
 each block's text for that link."""
 
 from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
+from functools import cache
 
 from markdown_it import MarkdownIt
 from pygments import highlight
@@ -46,6 +47,12 @@ class Rendered:
     code: list[str] = field(default_factory=list)  # each code block's text, in order
 
 
+@cache
+def _formatter(style: str) -> HtmlFormatter:
+    return HtmlFormatter(nowrap=True, noclasses=True, style=style)
+
+
+@cache
 def _lexer(lang: str):
     """The lexer a fence names; none for an unnamed or unknown language (guessing picks
     odd ones for short snippets)."""
@@ -64,8 +71,7 @@ def _fence(_renderer, tokens, idx, _options, env) -> str:
     code.append(text)
     lexer = _lexer(lang) if len(text) < 200_000 else None
     if lexer is not None:
-        formatter = HtmlFormatter(nowrap=True, noclasses=True, style=theme.pygments_style)
-        body = highlight(text, lexer, formatter).rstrip("\n")
+        body = highlight(text, lexer, _formatter(theme.pygments_style)).rstrip("\n")
     else:
         body = html.escape(text)
     label = html.escape(lang or "code")
@@ -73,7 +79,7 @@ def _fence(_renderer, tokens, idx, _options, env) -> str:
         '<table width="100%" cellspacing="0" cellpadding="6" '
         'style="margin-top: 4px; margin-bottom: 4px;">'
         f'<tr><td bgcolor="{theme.header}"><span style="color: {theme.muted};">{label}'
-        f'</span>&nbsp;&nbsp;<a href="copy:{len(code) - 1}">copy</a></td></tr>'
+        f'</span>&nbsp;&nbsp;<a href="copy:{env["anchor"]}{len(code) - 1}">copy</a></td></tr>'
         f'<tr><td bgcolor="{theme.background}"><pre style="margin: 0;">{body}</pre>'
         "</td></tr></table>\n"
     )
@@ -84,7 +90,8 @@ _MD.add_render_rule("fence", _fence)
 _MD.add_render_rule("code_block", _fence)
 
 
-def render(markdown: str, theme: CodeTheme | None = None) -> Rendered:
-    """``markdown`` as HTML for a QTextBrowser, with highlighted, copyable code blocks."""
-    env = {"theme": theme or CodeTheme(), "code": []}
+def render(markdown: str, theme: CodeTheme | None = None, anchor: str = "") -> Rendered:
+    """``markdown`` as HTML for a QTextBrowser, with highlighted, copyable code blocks
+    (their links: ``copy:<anchor><n>``)."""
+    env = {"theme": theme or CodeTheme(), "code": [], "anchor": anchor}
     return Rendered(_MD.render(markdown, env), env["code"])

@@ -115,10 +115,35 @@ def test_the_copy_link_puts_the_block_on_the_clipboard(qtbot) -> None:
     qtbot.addWidget(view)
     view.show_messages(CONVERSATION)
     assert "def add(a, b):" in view.toPlainText() and "21.4 tok/s" in view.toPlainText()
-    view.anchorClicked.emit(QUrl("copy:1"))
+    view.anchorClicked.emit(QUrl("copy:1.1"))  # the reply (part 1), its second block
     assert QGuiApplication.clipboard().text() == "python -c 'print(add(2, 3))'"
     view.resize(640, 520)
     view.show()
     qtbot.waitExposed(view)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     view.grab().save(str(ARTIFACTS / "conversation_code_and_footer.png"))
+
+
+def test_a_streaming_reply_re_renders_alone(qtbot, monkeypatch) -> None:
+    import app.widgets.chat as chat
+
+    calls = []
+    real = chat.render
+    monkeypatch.setattr(chat, "render", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    history = [dict(m) for m in CONVERSATION] * 25  # 50 messages
+    view = chat.ConversationView()
+    qtbot.addWidget(view)
+    reply = {"role": "assistant", "content": "", "status": "streaming"}
+    view.show_messages([*history, reply])
+    assert len(calls) == 50 + 1  # every part once
+    for word in ("Partial", " answer", " with", " `code`"):
+        reply = {**reply, "content": reply["content"] + word}
+        view.show_messages([*history, reply])
+    assert len(calls) == 51 + 4  # then only the streaming reply, once per update
+    view.show_messages([*history, reply])
+    assert len(calls) == 55  # nothing changed: nothing rendered
+    fresh = chat.ConversationView()
+    qtbot.addWidget(fresh)
+    fresh.show_messages([*history, reply])
+    assert view.toPlainText() == fresh.toPlainText()  # the same document as a full render
+    assert view.toPlainText().rstrip().endswith("Partial answer with code")
