@@ -172,19 +172,39 @@ class ChatController(QObject):
             return self._send_agent(session, text)
         if session.title in NEW_TITLES.values():
             self.rename_session(session_id, " ".join(text.split())[:TITLE_CHARS])
-        self.store.add_message(session_id, "user", text)
+        asked = self.store.add_message(session_id, "user", text)
+        shown = self.messages.setdefault(session_id, [])
+        shown.append({"id": asked.id, "role": "user", "content": text, "status": "done"})
+        self._start_reply(session_id)
+        return True
+
+    def regenerate(self, session_id: int) -> bool:
+        """Replace the chat's last reply with a new one to the same history; False (and
+        nothing done) while it is replying or when its last message is not a reply."""
+        if session_id in self.replies or self.store.session(session_id).kind != "chat":
+            return False
+        stored = self.store.messages(session_id)
+        if not stored or stored[-1].role != "assistant":
+            return False
+        self.store.delete_message(stored[-1].id)
+        shown = self.shown(session_id)
+        if shown and shown[-1].get("id") == stored[-1].id:
+            shown.pop()
+        self._start_reply(session_id)
+        return True
+
+    def _start_reply(self, session_id: int) -> None:
+        """A streaming reply to the session's history as it is stored now."""
         history = self.store.history(session_id)
         msg = self.store.add_message(session_id, "assistant", "", status="streaming")
         shown = self.messages.setdefault(session_id, [])
-        shown.append({"role": "user", "content": text, "status": "done"})
-        shown.append({"role": "assistant", "content": "", "status": "streaming"})
+        shown.append({"id": msg.id, "role": "assistant", "content": "", "status": "streaming"})
         reply = Reply(session_id, msg.id, history)
         self.replies[session_id] = reply
         self.reply_started.emit(session_id)
         self.busy_changed.emit(session_id, True)
         self._set_phase(reply, LOADING if self.bridge.state == "loading" else QUEUED)
         self._submit(reply)
-        return True
 
     # --- what a reply is doing before its first token -----------------------------------
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
@@ -179,6 +179,7 @@ class MainWindow(QMainWindow):
         agents.approval_changed.connect(self._on_approval)
         agents.activity_changed.connect(self._on_activity)
         self.approval.answered.connect(self._answer)
+        self.view.message_action.connect(self._message_action)
         # Esc stops the current session's reply wherever the focus is in the window (the
         # message box, the conversation, the sidebar), not only in the message box.
         stop = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
@@ -368,6 +369,7 @@ class MainWindow(QMainWindow):
 
     def show_session(self, session_id: int) -> None:
         shown = self.controller.shown(session_id)
+        self.view.regenerate = self.store.session(session_id).kind == "chat"
         self._update_title(session_id)
         self.view.show_messages(shown)
         self.stop_button.setEnabled(self.controller.is_busy(session_id))
@@ -497,6 +499,18 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage("This session is still replying: Esc stops it", 4000)
         if not self.input.toPlainText():
             self.input.setPlainText(text)  # refused (the notice says why): keep what was typed
+
+    def _message_action(self, action: str, message_id: int) -> None:
+        sid = self.current_id
+        if sid is None:
+            return
+        if action == "copy":
+            for m in self.controller.shown(sid):
+                if m.get("id") == message_id:
+                    QGuiApplication.clipboard().setText(m.get("content") or "")
+                    self.statusBar().showMessage("Reply copied", 2000)
+        elif action == "regenerate" and not self.controller.regenerate(sid):
+            self.statusBar().showMessage("Wait for the reply to finish: Esc stops it", 4000)
 
     def stop_current(self) -> None:
         if self.current_id is not None:

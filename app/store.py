@@ -319,6 +319,14 @@ class Store:
         if cur.rowcount == 0:
             raise StoreError(f"no session {session_id}")
 
+    def delete_message(self, message_id: int) -> None:
+        """Delete one message (a reply about to be generated again)."""
+        with self._lock:
+            self._forget(message_id)
+            cur = self.db.execute("DELETE FROM messages WHERE id = ?", [message_id])
+        if cur.rowcount == 0:
+            raise StoreError(f"no message {message_id}")
+
     def list_sessions(self, kind: str | None = None) -> list[Session]:
         """Newest-updated first."""
         where, args = ("kind = ?", [kind]) if kind is not None else (None, None)

@@ -150,11 +150,14 @@ def conversation_markdown(messages: list[dict], expanded: set | frozenset = froz
     return "\n\n---\n\n".join(conversation_parts(messages, expanded))
 
 
-def conversation_parts(messages: list[dict], expanded: set | frozenset = frozenset()) -> list[str]:
+def conversation_parts(
+    messages: list[dict], expanded: set | frozenset = frozenset(), regenerate: bool = False
+) -> list[str]:
     """The conversation's Markdown, one part per shown message (the view renders each
-    once, and while a reply streams only its own)."""
+    once, and while a reply streams only its own). Finished replies get action links
+    (``msg:copy:<id>``; ``msg:regenerate:<id>`` on the last one, with ``regenerate``)."""
     parts = []
-    for m in messages:
+    for i, m in enumerate(messages):
         data = m.get("data") or {}
         if m["role"] == "tool" and data.get("name"):
             parts.append(tool_card(m, m.get("id") in expanded))
@@ -175,6 +178,11 @@ def conversation_parts(messages: list[dict], expanded: set | frozenset = frozens
             label += f" — *{note}*"
         body = _closed(m.get("content") or ("…" if m.get("status") == "streaming" else ""))
         footer = reply_footer(data.get("stats")) if m.get("status") != "streaming" else ""
+        if m["role"] == "assistant" and m.get("status") != "streaming" and m.get("id"):
+            links = [f"[copy](msg:copy:{m['id']})"]
+            if regenerate and i == len(messages) - 1:
+                links.append(f"[regenerate](msg:regenerate:{m['id']})")
+            footer = f"{footer} · {' · '.join(links)}" if footer else " · ".join(links)
         parts.append(f"{label}\n\n{body}" + (f"\n\n{footer}" if footer else ""))
     return parts
 
@@ -182,6 +190,8 @@ def conversation_parts(messages: list[dict], expanded: set | frozenset = frozens
 class ConversationView(QTextBrowser):
     """Renders a whole conversation; the owner calls ``show_messages`` (at a capped rate
     while a reply streams). Stays pinned to the bottom unless the user scrolled up."""
+
+    message_action = Signal(str, int)  # "copy" | "regenerate", message id
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -195,6 +205,7 @@ class ConversationView(QTextBrowser):
         self._rendered: dict[tuple, Rendered] = {}
         self._messages: list[dict] = []
         self.expanded: set[int] = set()  # message ids of tool cards shown whole
+        self.regenerate = False  # offer to generate the last reply again (chats)
 
     def _on_link(self, url: QUrl) -> None:
         if url.scheme() == "copy":  # a code block's copy link: copy:<part>.<n>
@@ -202,6 +213,10 @@ class ConversationView(QTextBrowser):
             blocks = self._code.get(int(part), []) if part.isdigit() else []
             if n.isdigit() and int(n) < len(blocks):
                 QGuiApplication.clipboard().setText(blocks[int(n)])
+        elif url.scheme() == "msg":  # msg:<action>:<message id>
+            action, _, mid = (url.path() or url.toString().split(":", 1)[1]).partition(":")
+            if mid.isdigit():
+                self.message_action.emit(action, int(mid))
         elif url.scheme() == "card":
             key = int(url.path() or url.toString().split(":", 1)[1])
             self.expanded.symmetric_difference_update({key})
@@ -211,7 +226,7 @@ class ConversationView(QTextBrowser):
 
     def show_messages(self, messages: list[dict]) -> None:
         self._messages = messages
-        parts = conversation_parts(messages, self.expanded)
+        parts = conversation_parts(messages, self.expanded, self.regenerate)
         text = "\n\n---\n\n".join(parts)
         if text == self._shown:
             return

@@ -488,3 +488,30 @@ def test_a_deleted_session_can_be_brought_back_until_its_undo_runs_out(
     assert other not in [s.id for s in w.store.list_sessions()]
     assert keep in [s.id for s in w.store.list_sessions()]
     close_window(w)
+
+
+def test_regenerate_replaces_the_last_reply_and_copy_takes_its_text(qtbot, env: Path) -> None:
+    from PySide6.QtCore import QUrl
+    from PySide6.QtGui import QGuiApplication
+
+    w = open_window(qtbot, settings_for(env, max_tokens=6))
+    sid = w.new_session("chat")
+    w.send("first question", session_id=sid)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    w.send("second question", session_id=sid)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    first, old = w.store.messages(sid)[1], w.store.messages(sid)[-1]
+    w._render_dirty()
+    md = w.view.shown_markdown
+    assert f"msg:regenerate:{old.id}" in md and f"msg:regenerate:{first.id}" not in md
+    w.view.anchorClicked.emit(QUrl(f"msg:regenerate:{old.id}"))
+    assert w.controller.is_busy(sid)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    stored = w.store.messages(sid)
+    assert [m.role for m in stored] == ["user", "assistant", "user", "assistant"]
+    new = stored[-1]
+    assert new.status == "done" and new.data["stats"] != old.data["stats"]  # a new run
+    assert new.content == old.content  # greedy: the same history gives the same reply
+    w.view.anchorClicked.emit(QUrl(f"msg:copy:{first.id}"))
+    assert QGuiApplication.clipboard().text() == first.content
+    close_window(w)
