@@ -37,6 +37,7 @@ class Bridge(QObject):
     load_progress = Signal(int, int)  # done, total
     compare_log = Signal(str)
     compare_done = Signal(object, str)  # records (list[dict]) or None, error message
+    compare_progress = Signal(int, int)  # steps done, steps in all
     api_changed = Signal(str)  # URL being served, or "" when stopped
     api_error = Signal(str)  # the API could not start after a load (port in use, ...)
 
@@ -47,6 +48,7 @@ class Bridge(QObject):
     _progress = Signal(int, int)
     _phase = Signal(int, str)  # load generation, what the loader is doing
     _compared = Signal(object, str)
+    _compare_step = Signal(int, int)
     _logged = Signal(str)
 
     def __init__(self, parent: QObject | None = None) -> None:
@@ -74,6 +76,8 @@ class Bridge(QObject):
         self._progress.connect(self.load_progress)
         self._phase.connect(self._on_phase)
         self._compared.connect(self.compare_done)
+        self._compare_step.connect(self.compare_progress)
+        self._compare_cancel: threading.Event | None = None
         self._logged.connect(self.compare_log)
 
     # --- engine lifetime ----------------------------------------------------------------
@@ -240,18 +244,32 @@ class Bridge(QObject):
         if service is None:
             return False
 
+        cancel = self._compare_cancel = threading.Event()
+
         def work() -> None:
             try:
                 records = service.compare(
-                    policies, workload, requests, cache, tokens, log=self._logged.emit
+                    policies,
+                    workload,
+                    requests,
+                    cache,
+                    tokens,
+                    log=self._logged.emit,
+                    progress=self._compare_step.emit,
+                    cancel=cancel,
                 )
-            except Exception as exc:  # shown in the compare view
+            except Exception as exc:  # shown in the compare view ("cancelled" too)
                 self._compared.emit(None, str(exc))
                 return
             self._compared.emit(records, "")
 
         threading.Thread(target=work, name="bevy-compare", daemon=True).start()
         return True
+
+    def cancel_compare(self) -> None:
+        """Stop the running comparison before its next run (its current one finishes)."""
+        if self._compare_cancel is not None:
+            self._compare_cancel.set()
 
     # --- the local OpenAI-compatible API ------------------------------------------------
 

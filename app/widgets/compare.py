@@ -14,13 +14,13 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
-    QDoubleSpinBox,
     QFormLayout,
     QHBoxLayout,
     QHeaderView,
     QLabel,
     QListWidget,
     QListWidgetItem,
+    QProgressBar,
     QPushButton,
     QScrollArea,
     QSpinBox,
@@ -92,10 +92,19 @@ class CompareView(QWidget):
         self.workload = QComboBox()
         self.workload.addItems(["chat", "agentic"])
         self.requests = QSpinBox(minimum=1, maximum=16, value=4)
-        self.cache = QDoubleSpinBox(minimum=0.05, maximum=1.0, singleStep=0.05, value=0.3)
+        # In % of the experts, as Settings writes the app's cache.
+        self.cache = QSpinBox(minimum=5, maximum=100, singleStep=5, value=30, suffix=" %")
         self.tokens = QSpinBox(minimum=2, maximum=256, value=16)
         self.run_button = QPushButton("Run")
         self.run_button.clicked.connect(self.run)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setToolTip("Stop after the run in progress")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.cancel_button.setEnabled(False)
+        self.progress = QProgressBar()
+        self.progress.setFormat("%v of %m steps")
+        self.progress.hide()
+        self._started = 0.0
         self.log = QLabel("Runs each policy on a fresh engine over the same prompts.")
         self.log.setWordWrap(True)
         self.saved = QListWidget()
@@ -127,11 +136,15 @@ class CompareView(QWidget):
         controls.addRow("Policies", row)
         controls.addRow("Workload", self.workload)
         controls.addRow("Concurrent requests", self.requests)
-        controls.addRow("Cache (share of experts)", self.cache)
+        controls.addRow("Cache (of the experts)", self.cache)
         controls.addRow("Decode tokens", self.tokens)
         left = QVBoxLayout()
         left.addLayout(controls)
-        left.addWidget(self.run_button)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.run_button)
+        buttons.addWidget(self.cancel_button)
+        left.addLayout(buttons)
+        left.addWidget(self.progress)
         left.addWidget(self.log)
         left.addWidget(QLabel("Saved runs"))
         left.addWidget(self.saved, 1)
@@ -142,8 +155,9 @@ class CompareView(QWidget):
         layout = QHBoxLayout(self)
         layout.addLayout(left, 1)
         layout.addLayout(right, 3)
-        bridge.compare_log.connect(self.log.setText)
+        bridge.compare_log.connect(self._on_log)
         bridge.compare_done.connect(self._on_done)
+        bridge.compare_progress.connect(self._on_progress)
         self.refresh_saved()
 
     def run(self) -> bool:
@@ -157,7 +171,7 @@ class CompareView(QWidget):
             policies,
             self.workload.currentText(),
             self.requests.value(),
-            self.cache.value(),
+            self.cache.value() / 100,
             self.tokens.value(),
         )
         if not started:
@@ -165,14 +179,47 @@ class CompareView(QWidget):
             return False
         self.running = True
         self.run_button.setEnabled(False)
+        self.cancel_button.setEnabled(True)
+        self._started = time.monotonic()
+        self._step, self._eta = "", ""
+        self.progress.setRange(0, 0)
+        self.progress.show()
         self.log.setText("Starting… (replies in your sessions slow the comparison down)")
         return True
+
+    def cancel(self) -> None:
+        if self.running:
+            self.bridge.cancel_compare()
+            self.cancel_button.setEnabled(False)
+            self.log.setText("Cancelling after the run in progress…")
+
+    def _on_progress(self, done: int, total: int) -> None:
+        self.progress.setRange(0, total)
+        self.progress.setValue(done)
+        elapsed = time.monotonic() - self._started
+        if done:
+            left = elapsed / done * (total - done)
+            self._eta = (
+                f"about {left:.0f} s left" if left < 120 else f"about {left / 60:.0f} min left"
+            )
+        self._show_log()
+
+    def _on_log(self, text: str) -> None:
+        self._step = text
+        self._show_log()
+
+    def _show_log(self) -> None:
+        if self.running and self.cancel_button.isEnabled():
+            self.log.setText(" · ".join(p for p in (self._step, self._eta) if p))
 
     def _on_done(self, records: list[dict] | None, error: str) -> None:
         self.running = False
         self.run_button.setEnabled(True)
+        self.cancel_button.setEnabled(False)
+        self.progress.hide()
         if records is None:
-            self.log.setText(f"The comparison failed: {error}")
+            cancelled = error == "cancelled"
+            self.log.setText("Cancelled." if cancelled else f"The comparison failed: {error}")
             return
         policies = [r["policy"] for r in records]
         r0 = records[0]

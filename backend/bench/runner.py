@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,15 +165,40 @@ def run_once(
     return record
 
 
+class BenchCancelled(BevyError):
+    """The comparison was cancelled between two of its runs."""
+
+
 def run_bench(
-    model: LoadedModel, plan: BenchPlan, trace: Path | None = None, log=print
+    model: LoadedModel,
+    plan: BenchPlan,
+    trace: Path | None = None,
+    log=print,
+    progress: Callable[[int, int], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[dict]:
+    """Each policy over each configuration, ``plan.repeats`` times. ``progress`` hears
+    (steps done, steps in all) — the reference decodes, then the runs; ``cancel``, once
+    set, stops it before its next step (BenchCancelled)."""
     configs = [(w, n, c) for w in plan.workloads for n in plan.requests for c in plan.caches]
     results: dict[tuple, list[dict]] = {}
     references: dict[tuple, list[list[int]]] = {}
     prompts: dict[tuple, list[list[int]]] = {}
+    n_refs = len({(w, n) for w, n, _ in configs})
+    total = n_refs + plan.repeats * len(configs) * len(plan.policies)
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        if cancel is not None and cancel.is_set():
+            raise BenchCancelled("cancelled")
+        if progress is not None:
+            progress(done, total)
+        done += 1
+
     for w, n, _ in configs:
         if (w, n) not in prompts:
+            step()
             prompts[(w, n)] = prompts_for(model, w, n)
             log(f"reference: plain greedy decoding of {n} {w} prompts ({plan.tokens} tokens) ...")
             references[(w, n)] = greedy_reference(model, prompts[(w, n)], plan.tokens)
@@ -183,12 +210,15 @@ def run_bench(
                     t = trace.with_name(
                         f"{trace.stem}.{policy.replace(':', '_')}{trace.suffix or '.json'}"
                     )
+                step()
                 log(
                     f"[{rep + 1}/{plan.repeats}] {w} x{n} cache {c:.0%} {plan.storage}: {policy} ..."
                 )
                 rec = run_once(model, policy, prompts[(w, n)], c, plan, t)
                 rec["tokens_identical_to_reference"] = rec.pop("tokens") == references[(w, n)]
                 results.setdefault((w, n, c, policy), []).append(rec)
+    if progress is not None:
+        progress(total, total)
     records = []
     for (w, n, c, policy), runs in results.items():
         med = {

@@ -185,9 +185,12 @@ class EngineService:
         cache: float = 0.3,
         tokens: int = 16,
         log: Callable[[str], None] = lambda _msg: None,
+        progress: Callable[[int, int], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> list[dict]:
         """Run one small workload under each policy (fresh engines on this model, on the
-        calling thread); bench records with each run's lane intervals."""
+        calling thread); bench records with each run's lane intervals. ``progress`` and
+        ``cancel`` as for ``bench.runner.run_bench``."""
         from backend.bench.runner import BenchPlan, run_bench
 
         plan = BenchPlan(
@@ -201,7 +204,7 @@ class EngineService:
             eviction=self.config.eviction,
             keep_lanes=True,
         )
-        return run_bench(self.model, plan, log=log)
+        return run_bench(self.model, plan, log=log, progress=progress, cancel=cancel)
 
     # --- dispatch -----------------------------------------------------------------------
 

@@ -253,8 +253,14 @@ def test_compare_view_runs_policies_side_by_side_and_reopens(qtbot, env: Path) -
         box.setChecked(p in ("bevy", "sync"))
     view.requests.setValue(3)
     view.tokens.setValue(6)
+    steps: list = []
+    w.bridge.compare_progress.connect(lambda done, total: steps.append((done, total)))
     with qtbot.waitSignal(w.bridge.compare_done, timeout=120_000):
         assert view.run()
+        assert not view.progress.isHidden() and view.cancel_button.isEnabled()
+    # One reference decode, then a run per policy: steps counted up to the total.
+    assert steps[0] == (0, 3) and steps[-1] == (3, 3)
+    assert view.progress.isHidden() and not view.cancel_button.isEnabled()
     assert view.table.rowCount() == 2
     assert {view.table.item(r, 0).text() for r in range(2)} == {"bevy", "sync"}
     assert all(view.table.item(r, 6).text() == "yes" for r in range(2))  # exact tokens
@@ -267,6 +273,12 @@ def test_compare_view_runs_policies_side_by_side_and_reopens(qtbot, env: Path) -
     view.show_records([])
     view._open_saved(view.saved.item(0))
     assert [r["policy"] for r in view.records] == [r["policy"] for r in records]
+    # Cancel: the comparison stops after the step in progress, and nothing is saved.
+    w.bridge.compare_progress.connect(lambda done, _total: done == 1 and view.cancel())
+    with qtbot.waitSignal(w.bridge.compare_done, timeout=120_000) as done:
+        assert view.run()
+    assert done.args == [None, "cancelled"] and view.log.text() == "Cancelled."
+    assert view.saved.count() == 1 and view.run_button.isEnabled()
     close_window(w)
 
 
