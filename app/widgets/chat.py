@@ -243,16 +243,22 @@ class ConversationView(QTextBrowser):
             cursor.setPosition(self._last_start)
             cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
             cursor.removeSelectedText()
-            cursor.insertHtml(html[-1])
+            cursor.insertHtml(self._last_html(html))
         else:
-            self.setHtml("<hr/>".join(html[:-1]) + ("<hr/>" if len(html) > 1 else ""))
+            # The rule before the last part goes in with it: inserted after a document
+            # that ends with one, Qt merges the rule into the part's first line.
+            self.setHtml("<hr/>".join(html[:-1]))
             cursor = QTextCursor(self.document())
             cursor.movePosition(QTextCursor.MoveOperation.End)
             self._last_start = cursor.position()
             if html:
-                cursor.insertHtml(html[-1])
+                cursor.insertHtml(self._last_html(html))
         self._parts = parts
         bar.setValue(bar.maximum() if at_bottom else keep)
+
+    @staticmethod
+    def _last_html(html: list[str]) -> str:
+        return ("<hr/>" if len(html) > 1 else "") + html[-1]
 
     def _html(self, index: int, part: str, theme: CodeTheme) -> str:
         """A part's HTML, rendered once per text: its code blocks' copy links name the

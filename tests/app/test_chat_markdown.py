@@ -125,6 +125,8 @@ def test_the_copy_link_puts_the_block_on_the_clipboard(qtbot) -> None:
 
 
 def test_a_streaming_reply_re_renders_alone(qtbot, monkeypatch) -> None:
+    from PySide6.QtGui import QTextFormat
+
     import app.widgets.chat as chat
 
     calls = []
@@ -146,4 +148,12 @@ def test_a_streaming_reply_re_renders_alone(qtbot, monkeypatch) -> None:
     qtbot.addWidget(fresh)
     fresh.show_messages([*history, reply])
     assert view.toPlainText() == fresh.toPlainText()  # the same document as a full render
+    # ... with the rule between messages as its own line, not under the reply's label.
+    rulers = []
+    block = view.document().begin()
+    while block.isValid():
+        if block.blockFormat().hasProperty(QTextFormat.Property.BlockTrailingHorizontalRulerWidth):
+            rulers.append(block.text())
+        block = block.next()
+    assert rulers == [""] * 50
     assert view.toPlainText().rstrip().endswith("Partial answer with code")
