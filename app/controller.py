@@ -178,13 +178,25 @@ class ChatController(QObject):
         self._start_reply(session_id)
         return True
 
-    def regenerate(self, session_id: int) -> bool:
-        """Replace the chat's last reply with a new one to the same history; False (and
-        nothing done) while it is replying or when its last message is not a reply."""
+    def regenerate(self, session_id: int, message_id: int | None = None) -> bool:
+        """Replace the chat's last reply (``message_id``, if given, must be it) with a new
+        one to the same history; False, and nothing done, while it is replying, when its
+        last message is not that reply, or when no new one could start (no model, bad
+        sampling settings): the old reply is kept then."""
         if session_id in self.replies or self.store.session(session_id).kind != "chat":
             return False
         stored = self.store.messages(session_id)
         if not stored or stored[-1].role != "assistant":
+            return False
+        if message_id is not None and stored[-1].id != message_id:
+            return False
+        if not self.bridge.ready and self.bridge.state != "loading":
+            self.notice.emit("No model is loaded: open Model → Settings.")
+            return False
+        try:
+            sampling(self.settings, {"sampling": self.store.session(session_id).sampling})
+        except ValueError as exc:
+            self.notice.emit(f"Invalid sampling settings: {exc}")
             return False
         self.store.delete_message(stored[-1].id)
         shown = self.shown(session_id)
@@ -232,7 +244,7 @@ class ChatController(QObject):
         """Queued, or reading the prompt (layer by layer), from the engine's own view."""
         for progress in snap.requests:
             reply = self.by_request.get(progress.request_id)
-            if reply is None or reply.tokens:
+            if reply is None or reply.tokens or progress.tokens:
                 continue
             if progress.state == "queued":
                 self._set_phase(reply, QUEUED)

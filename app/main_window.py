@@ -509,8 +509,10 @@ class MainWindow(QMainWindow):
                 if m.get("id") == message_id:
                     QGuiApplication.clipboard().setText(m.get("content") or "")
                     self.statusBar().showMessage("Reply copied", 2000)
-        elif action == "regenerate" and not self.controller.regenerate(sid):
+        elif action == "regenerate" and self.controller.is_busy(sid):
             self.statusBar().showMessage("Wait for the reply to finish: Esc stops it", 4000)
+        elif action == "regenerate":
+            self.controller.regenerate(sid, message_id)  # refusals say why (notice)
 
     def stop_current(self) -> None:
         if self.current_id is not None:

@@ -27,6 +27,7 @@ mapfile -t runtime < <(/usr/bin/python3 -c '
 import tomllib
 app = tomllib.load(open("pyproject.toml", "rb"))["tool"]["briefcase"]["app"]["bevy-desktop"]
 print("\n".join(app["linux"]["system"]["debian"]["system_runtime_requires"]))')
+((${#runtime[@]})) || { echo "build-deb: could not read the runtime dependencies from pyproject.toml" >&2; exit 1; }
 missing=()
 for pkg in "${DEBS[@]}" "${runtime[@]}"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -65,6 +66,7 @@ briefcase build linux system
 # load), and would save only about 100 MB of 1 GB.
 root=$(find "build/$APP" -mindepth 3 -maxdepth 3 -type d -name "$APP-*" | head -n1)
 packages="$root/usr/lib/$APP/app_packages"
+[[ -n $root && -d $packages ]] || { echo "build-deb: no bundle under build/$APP (did briefcase create fail?)" >&2; exit 1; }
 log "Tidying $packages"
 rm -rf "$packages/bin"
 find "$packages" -type f -perm /111 -print0 | while IFS= read -r -d '' f; do

@@ -71,6 +71,16 @@ def reply_footer(stats: dict | None) -> str:
     return "*" + " · ".join(p for p in parts if p).replace("*", "\\*") + "*"
 
 
+# Links the view acts on (copy a block, a message action, a card toggle). Only the view's
+# own Markdown may hold them: in a message's text they are made inert.
+_APP_LINK = re.compile(r"(\]\(\s*<?|^\s*\[[^\]]*\]:\s*<?|<)(?=(?:msg|copy|card):)", re.I | re.M)
+
+
+def _inert(text: str) -> str:
+    """``text`` with links to the view's own schemes turned into plain ``#`` links."""
+    return _APP_LINK.sub(lambda m: m.group(1) + "#", text)
+
+
 def _fence(text: str, lang: str = "") -> str:
     """``text`` in a code block whose fence no run of backticks in it can close."""
     longest = max((len(r) for r in re.findall(r"`+", text)), default=0)
@@ -176,7 +186,9 @@ def conversation_parts(
             note = f"{m['phase']}…"  # before the first token: loading, queued, reading
         if note:
             label += f" — *{note}*"
-        body = _closed(m.get("content") or ("…" if m.get("status") == "streaming" else ""))
+        body = _closed(
+            _inert(m.get("content") or "") or ("…" if m.get("status") == "streaming" else "")
+        )
         footer = reply_footer(data.get("stats")) if m.get("status") != "streaming" else ""
         if m["role"] == "assistant" and m.get("status") != "streaming" and m.get("id"):
             links = [f"[copy](msg:copy:{m['id']})"]
@@ -235,7 +247,11 @@ class ConversationView(QTextBrowser):
         keep = bar.value()
         self._shown = text
         theme = CodeTheme(dark=self.palette().base().color().lightness() < 128)
-        html = [self._html(i, part, theme) for i, part in enumerate(parts)]
+        streaming = bool(messages) and messages[-1].get("status") == "streaming"
+        html = [
+            self._html(i, part, theme, keep=not (streaming and i == len(parts) - 1))
+            for i, part in enumerate(parts)
+        ]
         if parts and parts[:-1] == self._parts[:-1] and len(parts) == len(self._parts):
             # Only the last message changed (a streaming reply): replace it alone. Setting
             # the whole document again takes ~200 ms for 2,000 messages.
@@ -260,16 +276,18 @@ class ConversationView(QTextBrowser):
     def _last_html(html: list[str]) -> str:
         return ("<hr/>" if len(html) > 1 else "") + html[-1]
 
-    def _html(self, index: int, part: str, theme: CodeTheme) -> str:
-        """A part's HTML, rendered once per text: its code blocks' copy links name the
-        part (``copy:<part>.<n>``)."""
+    def _html(self, index: int, part: str, theme: CodeTheme, keep: bool = True) -> str:
+        """A part's HTML, rendered once per text (``keep``; a streaming reply's passing
+        texts are not kept): its code blocks' copy links name the part
+        (``copy:<part>.<n>``)."""
         key = (index, part, theme)
         hit = self._rendered.get(key)
         if hit is None:
             hit = render(part, theme, anchor=f"{index}.")
-            if len(self._rendered) > 4096:  # a bound for long sessions switched often
-                self._rendered.clear()
-            self._rendered[key] = hit
+            if keep:
+                if len(self._rendered) > 4096:  # a bound for long sessions switched often
+                    self._rendered.clear()
+                self._rendered[key] = hit
         self._code[index] = hit.code
         return hit.html
 

@@ -132,6 +132,16 @@ class EngineService:
         """The prompts thread: each chat Submit becomes a prompt_ids Submit, in order.
         Tokenizing lets go of the GIL (Tokenizer.encode), so the engine keeps running."""
         while (msg := self._chats.get()) is not _STOP:
+            with self._lock:
+                wanted = msg.request_id in self._listeners and not (self._closed or self.failure)
+                aborted = self._preparing.get(msg.request_id, False)
+                if not wanted or aborted:
+                    self._preparing.pop(msg.request_id, None)
+            if not wanted:
+                continue  # its listener already got its end (shut down, engine failed)
+            if aborted:  # stopped before its prompt was made: no need to make it
+                self.engine.events.put(Finished(msg.request_id, "abort", "", 0, 0))
+                continue
             try:
                 ids, dropped = chat_prompt(self.model, msg)
             except Exception as exc:  # the request fails alone, as on the engine thread

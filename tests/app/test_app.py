@@ -531,6 +531,8 @@ def test_regenerate_replaces_the_last_reply_and_copy_takes_its_text(qtbot, env: 
     w._render_dirty()
     md = w.view.shown_markdown
     assert f"msg:regenerate:{old.id}" in md and f"msg:regenerate:{first.id}" not in md
+    assert not w.controller.regenerate(sid, first.id)  # not the last reply: kept
+    assert len(w.store.messages(sid)) == 4
     w.view.anchorClicked.emit(QUrl(f"msg:regenerate:{old.id}"))
     assert w.controller.is_busy(sid)
     qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)

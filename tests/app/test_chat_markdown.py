@@ -157,3 +157,19 @@ def test_a_streaming_reply_re_renders_alone(qtbot, monkeypatch) -> None:
         block = block.next()
     assert rulers == [""] * 50
     assert view.toPlainText().rstrip().endswith("Partial answer with code")
+
+
+def test_links_in_a_message_cannot_act_on_the_app() -> None:
+    text = "[again](msg:regenerate:7) <msg:copy:7> [code](copy:0.0)\n\n[ref]: card:3\n"
+    from app.widgets.chat import conversation_parts
+
+    (md,) = conversation_parts(
+        [{"id": 7, "role": "assistant", "content": text, "status": "done"}], regenerate=True
+    )
+    body, _, footer = md.rpartition("\n\n")
+    import re
+
+    assert re.search(r"(?<![#\w:])(msg|copy|card):", body) is None  # each made a # link
+    assert "(#msg:regenerate:7)" in body and "<#msg:copy:7>" in body
+    # The view's own links, in its footer, still work.
+    assert "(msg:copy:7)" in footer and "(msg:regenerate:7)" in footer

@@ -176,3 +176,21 @@ def collect_rest(q: queue.Queue, timeout: float = 120.0) -> list:
     while not out or not isinstance(out[-1], Finished | ErrorEvent):
         out.append(q.get(timeout=timeout))
     return out
+
+
+def test_a_chat_stopped_before_its_prompt_is_made_is_not_made(
+    service: EngineService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = SlowPrompts(0.6)
+    monkeypatch.setattr("backend.serving.service.chat_prompt", slow)
+    first: queue.Queue = queue.Queue()
+    second: queue.Queue = queue.Queue()
+    service.submit(Submit("made", GREEDY, messages=_chat("first")), first.put)
+    assert slow.started.wait(10)
+    service.submit(Submit("skipped", GREEDY, messages=_chat("second")), second.put)
+    service.abort("skipped")  # still waiting behind the first one's prompt
+    end = collect_rest(second)[-1]
+    assert isinstance(end, Finished) and end.reason == "abort" and end.completion_tokens == 0
+    assert isinstance(collect_rest(first)[-1], Finished)
+    assert len(slow.threads) == 1  # only the first chat's prompt was made
+    assert service.active == 0
