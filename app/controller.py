@@ -241,7 +241,7 @@ class ChatController(QObject):
                 self._set_phase(reply, f"{LOADING} ({100 * done // total} %)")
 
     def _on_metrics(self, snap) -> None:
-        """Queued, or reading the prompt (layer by layer), from the engine's own view."""
+        """Queued, or reading the prompt (how much of it), from the engine's own view."""
         for progress in snap.requests:
             reply = self.by_request.get(progress.request_id)
             if reply is None or reply.tokens or progress.tokens:
@@ -249,8 +249,9 @@ class ChatController(QObject):
             if progress.state == "queued":
                 self._set_phase(reply, QUEUED)
             else:
-                layer = min(progress.layer + 1, progress.n_layers)
-                self._set_phase(reply, f"reading the prompt: layer {layer} of {progress.n_layers}")
+                pct = int(100 * min(max(progress.prompt_read, 0.0), 1.0))
+                size = f" ({progress.prompt_tokens:,} tokens)" if progress.prompt_tokens else ""
+                self._set_phase(reply, f"reading the prompt{size}: {pct} %")
 
     def _send_agent(self, session: Session, text: str) -> bool:
         if self.agents.busy(session.id):

@@ -128,6 +128,12 @@ class EngineConfig:
     # "auto" is "stored": decoding on the link thread takes a core from compute.
     slot_format: str = "auto"
     metrics_interval_s: float = 0.1
+    # Chunked prefill: a prompt longer than this many tokens is read in slices of it, layer
+    # by layer, each layer's experts claimed once for all of them, with other requests'
+    # jobs run between slices so that one long prompt does not stall every chat. 0: each
+    # prompt's layer in one job. Policies that move requests together (sync,
+    # prefetch-*, bevy-static) never slice.
+    prefill_chunk: int = 512
     # How experts are computed: "auto" (chosen at start from the device, the slot format,
     # the experts' block types and what builds) or one of EXPERT_BACKENDS, which must
     # be able to run (backend/engine/experts/).
@@ -159,6 +165,8 @@ class EngineConfig:
             )
         if self.working_set_mib is not None and self.working_set_mib < 0:
             raise ValueError(f"working_set_mib must be >= 0, got {self.working_set_mib}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.kv_budget_mib < 1:
             raise ValueError(f"kv_budget_mib must be >= 1, got {self.kv_budget_mib}")
         policy_fields(self.policy)  # raises ValueError naming the known policies

@@ -55,6 +55,10 @@ class RequestProgress:
     n_layers: int
     state: str  # "computing", "ready", "waiting" (for experts), "queued"
     tokens: int
+    prompt_tokens: int = 0
+    # How much of the prompt's reading is done, 0-1: layers passed, and within a layer
+    # the rows a sliced prompt's job has done (1 once it decodes).
+    prompt_read: float = 0.0
 
 
 @dataclass(frozen=True)

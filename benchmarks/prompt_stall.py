@@ -6,8 +6,8 @@ request's inter-token gaps alone and beside it.
     python benchmarks/prompt_stall.py [--tokens 120] [--cache 1.0]
 
 Runs on the demo MoE (built on first use). The chat asks for one token, so what the
-running request sees is the prompt being made, then its prefill (which, unchunked, holds
-compute for as long as it takes: issue #32).
+running request sees is the prompt being made, then its prefill (read in slices, with the
+running request's jobs between them: ``prefill_chunk``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> int:
         print(
             f"beside the chat:        gaps median {med * 1e3:.0f} ms, max {worst * 1e3:.0f} ms;"
             f" max while its prompt was made {early * 1e3:.0f} ms;"
-            f" the chat ended after {answered:.1f} s (its prefill: unchunked, issue #32)"
+            f" the chat ended after {answered:.1f} s"
         )
     finally:
         svc.close()

@@ -29,13 +29,25 @@ class JobRunner:
     ) -> None:
         """Attention(layer) on the group's rows h, then each request's MoE input and
         routing for ``layer`` (``Transformer.attention_route``)."""
-        h, x, ids, w = self.t.attention_route(layer, h, seqs)  # ids, w [T, K]
+        self._assign(group, layer, *self.t.attention_route(layer, h, seqs))
+
+    def _assign(
+        self,
+        group: Sequence[Request],
+        layer: int,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        ids: torch.Tensor | None,
+        w: torch.Tensor | None,
+    ) -> None:
+        """Place the group's rows (in order) at ``layer``, before its MoE."""
         listed = None if ids is None else ids.tolist()
         row = 0
         for r in group:
             end = row + r.n
             r.layer, r.h, r.x = layer, h[row:end], x[row:end]
             r.acc, r.done, r.parts = None, set(), {}
+            r.row, r.staged, r.entering, r.emb = 0, [], False, None
             if listed is not None:
                 r.route_ids, r.route_w, r.route_list = ids[row:end], w[row:end], listed[row:end]
                 r.needed = tuple(sorted({e for es in r.route_list for e in es}))
@@ -51,6 +63,45 @@ class JobRunner:
         t = self.t
         h = t.embed(torch.tensor([i for ids in token_ids for i in ids], device=t.device))
         self.enter(group, 0, [SeqSlice(r.kv, r.start, r.n) for r in group], h)
+
+    @torch.inference_mode()
+    def run_rows(self, r: Request, rows: int) -> torch.Tensor | None:
+        """The next ``rows`` rows of a prompt's job (``r.row`` on), with all of the
+        layer's experts claimed: its MoE on them (nothing, ``r.entering``), then attention
+        and router of the next layer, whose KV they write after the rows before them.
+        Once every row is done the request moves to that layer; after the last layer the
+        prompt's logits [1, V] come back instead.
+
+        Each row's result is the bits it gets in the whole job: the experts, norms and
+        projections work row by row, and a row's attention reads the KV of the rows
+        before it, which the earlier slices wrote."""
+        t, layer = self.t, r.layer
+        a, b = r.row, min(r.row + rows, r.n)
+        if r.entering:
+            out, nxt = r.emb[a:b], 0
+        else:
+            x = r.x[a:b]
+            if t.config.sparse_layers[layer]:
+                part = Request(r.id, [], r.params, n=b - a, x=x)
+                part.route_ids, part.route_w = r.route_ids[a:b], r.route_w[a:b]
+                part.route_list = r.route_list[a:b]
+                part.needed = tuple(sorted({e for es in part.route_list for e in es}))
+                y = self.experts.moe(layer, [part], [set(part.needed)], 1, x, part.route_w)
+                shared = t.shared_expert(layer, x)
+                out = r.h[a:b] + (y if shared is None else y + shared)
+            else:
+                out = r.h[a:b] + t.dense_mlp(layer, x)
+            nxt = layer + 1
+        r.row = b
+        last = b == r.n
+        if nxt == t.config.n_layers:
+            return t.logits(out[-1:]) if last else None
+        r.staged.append(t.attention_route(nxt, out, [SeqSlice(r.kv, r.start + a, b - a)]))
+        if last:
+            parts = list(zip(*r.staged, strict=True))
+            cat = [None if p[0] is None else torch.cat(p) for p in parts]
+            self._assign([r], nxt, *cat)
+        return None
 
     @torch.inference_mode()
     def run(

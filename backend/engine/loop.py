@@ -6,6 +6,12 @@ queues fetches for missing ones) or not at all, so jobs never deadlock on each o
 pins; the policy orders claims and picks which ready jobs compute together. A job that
 needs more experts than the cache has slots (prefill with a tiny cache) streams them
 through in chunks, accumulating its MoE output.
+
+A prompt longer than ``prefill_chunk`` tokens is read in slices of rows instead (chunked
+prefill): its layer's experts are claimed once for all its rows, as for a whole job, and
+the job runs a slice at a time, so other requests' jobs run between slices. While both
+wait, the slices get at most ``PREFILL_SHARE`` of the compute time: running chats go on at
+a bounded slowdown, and the prompt still makes steady progress.
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ from backend.models.transformer import KVCache
 from backend.text.grammar import Matcher
 from backend.text.sampling import make_generator, sample
 from backend.text.stops import StopMatcher
+
+# While a long prompt's slices and other jobs are both ready, the share of compute time
+# the slices get. Half: a running chat decodes at no less than half its speed, and the
+# prompt is read at no less than half of its own.
+PREFILL_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,14 @@ class Engine:
         self._ids: set[str] = set()
         self._arrivals = itertools.count()
         self._tick = 0
+        # Lockstep policies move the whole batch layer by layer, as llama.cpp's batch, and
+        # bevy-static its fixed groups: a prompt's slices would leave its batch behind.
+        together = self.policy.lockstep or self.policy.group_size
+        self.prefill_chunk = 0 if together else config.prefill_chunk
+        # Compute seconds of slices and of other jobs while both were ready (see ``_pick``),
+        # and whether they both are for the job this step runs.
+        self._slice_s = self._other_s = 0.0
+        self._contended = False
         self._stopped = False
         self._last_metrics = 0.0
         self._snapshot_at = 0.0  # the previous snapshot's time ("computing" since then)
@@ -258,8 +277,13 @@ class Engine:
         self._drain(block=False)
         self._admit()
         group = self._schedule()
-        if group:
+        if isinstance(group, Request):
+            self._run_slice(group)
+        elif group:
+            t0 = time.perf_counter()
             self._run(group)
+            if self._contended:
+                self._other_s += time.perf_counter() - t0
         elif self.policy.split and (part := split(self.running, self.cache.is_ready)):
             self._run_split(part)
         elif block or self.running:
@@ -374,17 +398,23 @@ class Engine:
             r.kv = KVCache(self.model.config.n_layers, max_len=self._kv_tokens(r))
             r.start, r.n = 0, len(r.prompt_ids)
             admitted.append(r)
-        if admitted:
+        if not admitted:
+            return
+        whole = []
+        for r in admitted:
+            if self.prefill_chunk and r.n > self.prefill_chunk:
+                # Its first job is attention + router of layer 0, in slices (``_run_slice``).
+                ids = torch.tensor(r.prompt_ids, device=self.model.transformer.device)
+                r.entering, r.emb = True, self.model.transformer.embed(ids)
+            else:
+                whole.append(r)
+        if whole:
             t0 = time.perf_counter()
-            self.jobs.start(admitted, [r.prompt_ids for r in admitted])
+            self.jobs.start(whole, [r.prompt_ids for r in whole])
             self.telemetry.record_compute(
-                t0,
-                time.perf_counter(),
-                -1,
-                tuple(r.id for r in admitted),
-                sum(r.n for r in admitted),
+                t0, time.perf_counter(), -1, tuple(r.id for r in whole), sum(r.n for r in whole)
             )
-            self.running.extend(admitted)
+        self.running.extend(admitted)
 
     # --- schedule: claims and the compute group -----------------------------------------
 
@@ -423,8 +453,10 @@ class Engine:
     def _ready(self, r: Request) -> bool:
         return r.claimed and all(self.cache.is_ready(k) for k in r.claim)
 
-    def _schedule(self) -> list[Request]:
+    def _schedule(self) -> list[Request] | Request:
+        """The group whose job runs now, or a prompt whose next slice does."""
         self._tick += 1
+        self._contended = False
         self._claim()
         if self.prefetcher:
             self.prefetcher.issue(self.fetcher, self.running)
@@ -434,7 +466,55 @@ class Engine:
                 if not r.ready_since:
                     r.ready_since = self._tick
                 ready.append(r)
-        return self.policy.compute_group(self.running, ready)
+        sliced = [r for r in ready if self._sliced(r)]
+        if not sliced:
+            return self.policy.compute_group(self.running, ready)
+        others = [r for r in ready if not self._sliced(r)]
+        group = self.policy.compute_group(self.running, others) if others else []
+        return self._pick(min(sliced, key=lambda r: r.arrival), group)
+
+    def _sliced(self, r: Request) -> bool:
+        """Whether ``r``'s job runs in slices: a long prompt whose layer's experts are all
+        claimed (a prompt streaming experts through a smaller cache runs whole)."""
+        if not self.prefill_chunk or r.n <= self.prefill_chunk or r.out_ids:
+            return False
+        return r.entering or r.row > 0 or (not r.done and len(r.claim) == len(r.needed))
+
+    def _pick(self, prompt: Request, group: list[Request]) -> list[Request] | Request:
+        """A slice of ``prompt`` or ``group``'s job: the slices get ``PREFILL_SHARE`` of
+        the compute time while both wait, counted from when they began to."""
+        if not group:  # the share is counted afresh when they next both wait
+            self._slice_s = self._other_s = 0.0
+            return prompt
+        self._contended = True
+        if self._slice_s * (1 - PREFILL_SHARE) <= self._other_s * PREFILL_SHARE:
+            return prompt
+        return group
+
+    def _run_slice(self, r: Request) -> None:
+        """The next slice of a long prompt's job; when its last row is done the request
+        moves on as after a whole job (its pins released, its first token sampled after
+        the last layer)."""
+        t0 = time.perf_counter()
+        layer = -1 if r.entering else r.layer  # -1: before layer 0, as at admission
+        rows = min(self.prefill_chunk, r.n - r.row)
+        logits = self.jobs.run_rows(r, self.prefill_chunk)
+        if self.slots.device.type == "cuda":  # as in ``_run``
+            torch.cuda.current_stream(self.slots.device).synchronize()
+        t1 = r.computed_at = time.perf_counter()
+        if self._contended:
+            self._slice_s += t1 - t0
+        moved = r.row == 0 or logits is not None  # its layer done (``run_rows`` resets row)
+        if moved:
+            self.claims.release(r)
+            r.ready_since = 0
+        if logits is not None:
+            if self.logits_log is not None:
+                self.logits_log.setdefault(r.id, []).append(logits[0].clone())
+            if self._postprocess(r, logits[0]):
+                r.start, r.n = r.start + r.n, 1
+                self.jobs.start([r], [[r.out_ids[-1]]])
+        self.telemetry.record_compute(t0, time.perf_counter(), layer, (r.id,), rows)
 
     def _run_split(self, part: list[Ride]) -> None:
         """Apply ``part``'s ready experts to their requests (as riders of an empty group),
@@ -549,6 +629,7 @@ class Engine:
             None,
             {},
         )
+        r.staged, r.emb = [], None
         self._ids.discard(r.id)
         self._emit(
             Finished(
@@ -613,11 +694,25 @@ class Engine:
                 state = "computing"
             else:
                 state = "ready" if self._ready(r) else "waiting"
+            read = 1.0
+            if not r.out_ids:
+                passed = 0 if r.entering else r.layer + 1
+                read = (passed + r.row / max(r.n, 1)) / (n_layers + 1)
             progress.append(
-                RequestProgress(r.id, r.session, r.layer, n_layers, state, len(r.out_ids))
+                RequestProgress(
+                    r.id,
+                    r.session,
+                    r.layer,
+                    n_layers,
+                    state,
+                    len(r.out_ids),
+                    len(r.prompt_ids),
+                    read,
+                )
             )
         progress += [
-            RequestProgress(r.id, r.session, 0, n_layers, "queued", 0) for r in self.waiting
+            RequestProgress(r.id, r.session, 0, n_layers, "queued", 0, len(r.prompt_ids))
+            for r in self.waiting
         ]
         return MetricsSnapshot(
             t=now,

@@ -62,6 +62,14 @@ class Request:
     parts: dict[int, torch.Tensor] = field(default_factory=dict)
     acc: torch.Tensor | None = None  # MoE output once all experts are applied [n, D]
     ready_since: int = 0  # engine tick when the job became ready (FIFO compute order)
+    # A long prompt read in slices of rows (chunked prefill, see ``Engine``): the rows of
+    # this layer's job done so far, and what they produced for the next layer (h, x, ids,
+    # weights per slice). ``entering``: the job is attention + router of layer 0 on the
+    # embeddings ``emb``, which the prompt has not been through yet.
+    row: int = 0
+    staged: list[tuple] = field(default_factory=list)
+    entering: bool = False
+    emb: torch.Tensor | None = None
     finish_reason: str | None = None
 
     @property

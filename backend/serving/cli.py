@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from backend.config import EngineConfig
 from backend.errors import BevyError
 from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS
 from backend.serving import agent_cli
@@ -95,12 +96,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--policy", default="bevy", help="scheduling policy")
     p.add_argument("--max-active", type=int, default=16, help="requests running at once")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=EngineConfig.prefill_chunk,
+        metavar="TOKENS",
+        help="read longer prompts in slices of this many tokens, letting running requests "
+        "decode between them (0: each prompt's layer whole)",
+    )
     _add_store_args(p)
 
 
 def _engine_config(args: argparse.Namespace):
-    from backend.config import EngineConfig
-
     try:
         return EngineConfig(
             device=args.device,
@@ -112,6 +119,7 @@ def _engine_config(args: argparse.Namespace):
             slot_format=args.slot_format,
             expert_backend=args.expert_backend,
             working_set_mib=args.working_set,
+            prefill_chunk=args.prefill_chunk,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None

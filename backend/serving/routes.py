@@ -477,6 +477,8 @@ class ApiServer:
                         "n_layers": r.n_layers,
                         "state": r.state,
                         "tokens": r.tokens,
+                        "prompt_tokens": r.prompt_tokens,
+                        "prompt_read": round(r.prompt_read, 4),
                     }
                     for r in s.requests
                 ],

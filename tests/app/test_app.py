@@ -476,10 +476,10 @@ def test_a_reply_reading_its_prompt_says_how_far_it_is(qtbot, env: Path) -> None
     reply = w.controller.replies[sid]
     assert w.controller.messages[sid][-1]["phase"] == "queued"
     n = w.controller.bridge.service.model.config.n_layers
-    reading = RequestProgress(reply.request_id, "hello", 2, n, "computing", 0)
+    reading = RequestProgress(reply.request_id, "hello", 2, n, "computing", 0, 1234, 0.375)
     w.controller._on_metrics(replace(EMPTY, requests=(reading,)))
     w._render_dirty()
-    assert f"reading the prompt: layer 3 of {n}…" in w.view.toPlainText()
+    assert "reading the prompt (1,234 tokens): 37 %…" in w.view.toPlainText()
     qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
     w._render_dirty()
     text = w.view.toPlainText()

