@@ -2,8 +2,8 @@
 
 A decoding run's experts go to the kernels in one call (``native.moe``), riders'
 products included, with no Python or torch op per expert. A run the whole-layer kernel
-does not take (a prompt beside riders, an expert with more rows than the kernels'
-row bound) goes expert by expert: the kernel for a few rows, dequantize-then-matmul
+does not take (a prompt beside riders, an expert with more rows than
+``NATIVE_MAX_ROWS``) goes expert by expert: the kernel for a few rows, dequantize-then-matmul
 (``EagerExperts``) for more, where BLAS is the faster product. Both give the bits of
 each expert alone on its rows, scaled and added in expert order.
 """
@@ -16,7 +16,13 @@ import torch
 
 from backend.engine.experts.eager import EagerExperts
 from backend.engine.request import Request
-from backend.kernels import native, qmatmul
+from backend.kernels import native
+
+# Rows of one expert up to which the kernels (eight rows at a time, the weights read
+# from their blocks for each eight) beat dequantizing the expert and multiplying by BLAS,
+# measured with the experts out of the CPU's cache (docs/performance.md). Past it, a
+# prompt's expert is dequantized once for all its rows.
+NATIVE_MAX_ROWS = 128
 
 
 class NativeExperts(EagerExperts):
@@ -28,7 +34,7 @@ class NativeExperts(EagerExperts):
         self._kinds: dict[tuple[int, int], tuple[tuple, int]] = {}
 
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > qmatmul.MAX_ROWS:
+        if x.shape[0] > NATIVE_MAX_ROWS:
             return super().mlp(layer, e, x)
         out = native.expert_mlp(self.stored_parts(layer, e), x)
         if out is None:  # the start-up checks should make this impossible
@@ -74,7 +80,7 @@ class NativeExperts(EagerExperts):
         w: torch.Tensor,
     ) -> torch.Tensor | None:
         """``moe`` in one call to ``native.moe``, for whole members and one-token others;
-        None if an expert has more routes than the kernels' row bound."""
+        None if an expert has more routes than ``NATIVE_MAX_ROWS``."""
         k = w.shape[1]
         by_expert: dict[int, list[int]] = {}
         i = 0  # route i is row i // k: rows ascending
@@ -84,7 +90,7 @@ class NativeExperts(EagerExperts):
                     if m < n_whole or e in s:
                         by_expert.setdefault(e, []).append(i)
                     i += 1
-        if any(len(rs) > qmatmul.MAX_ROWS for rs in by_expert.values()):
+        if any(len(rs) > NATIVE_MAX_ROWS for rs in by_expert.values()):
             return None
         base, stride = self.slots.data_ptr(), self.slots.stride(0)
         inner, hidden = self.experts[layer][0].gate.shape
