@@ -20,7 +20,6 @@ from pathlib import Path
 from backend.bench.workloads import load_workload
 from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine, short_switch_interval
-from backend.engine.telemetry import coalesce
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, Submit, TokenEvent
 from backend.models.generate import chat_prompt_ids, greedy_reference
@@ -156,8 +155,8 @@ def run_once(
         "tokens": [tokens[f"b{i}"] for i in range(len(prompts))],
     }
     if plan.keep_lanes:
-        link, comp = eng.telemetry.lanes(t0, t_end)
-        rel = lambda lane: [(s - t0, e - t0) for s, e in coalesce(lane, 5e-4)]  # noqa: E731
+        link, comp = eng.telemetry.merged_lanes(t0, t_end)
+        rel = lambda lane: [(s - t0, e - t0) for s, e in lane]  # noqa: E731
         record["lanes"] = {"link": rel(link), "compute": rel(comp)}
     if trace is not None:
         eng.telemetry.write_chrome_trace(trace)

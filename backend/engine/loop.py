@@ -36,7 +36,7 @@ from backend.engine.prefetch import Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, riders, split
 from backend.engine.store import open_store
-from backend.engine.telemetry import Telemetry, coalesce
+from backend.engine.telemetry import Telemetry
 from backend.errors import BevyError
 from backend.messages import (
     Abort,
@@ -677,9 +677,8 @@ class Engine:
         """Metrics over the last ``window_s``; lanes and residency for live views."""
         now = now or time.perf_counter()
         w = self.telemetry.window(now - window_s, now)
-        link, comp = self.telemetry.lanes(now - lane_window_s, now)
-        # Sub-millisecond gaps are invisible at panel scale; merging keeps snapshots small.
-        rel = lambda lane: tuple((s - now, e - now) for s, e in coalesce(lane, 5e-4))  # noqa: E731
+        link, comp = self.telemetry.merged_lanes(now - lane_window_s, now)
+        rel = lambda lane: tuple((s - now, e - now) for s, e in lane)  # noqa: E731
         cache = self.cache
         resident = tuple(k for k, slot in cache.slot_of.items() if cache.ready[slot])
         n_layers = self.model.config.n_layers

@@ -15,6 +15,10 @@ from pathlib import Path
 
 Interval = tuple[float, float]
 
+# Intervals of a lane closer than this are drawn as one (sub-millisecond gaps are
+# invisible at panel scale, and merging keeps live snapshots small).
+MERGE_GAP_S = 5e-4
+
 
 def overlap(a: list[Interval], b: list[Interval]) -> float:
     """Total time both lanes are busy (each list sorted, non-overlapping)."""
@@ -72,6 +76,13 @@ class Telemetry:
         self.link: deque[LinkEvent] = deque(maxlen=capacity)
         self.compute: deque[ComputeEvent] = deque(maxlen=capacity)
         self.tokens: deque[tuple[float, str]] = deque(maxlen=capacity)
+        # Each lane as ``coalesce(lane, MERGE_GAP_S)`` would give it, kept as events come
+        # ([start, end] lists): a live view reads a few merged intervals instead of
+        # merging thousands of jobs on every snapshot.
+        self._merged: dict[str, deque[list[float]]] = {
+            "link": deque(maxlen=capacity),
+            "compute": deque(maxlen=capacity),
+        }
         self.t0 = time.perf_counter()
         self.link_busy_s = 0.0
         self.compute_busy_s = 0.0
@@ -83,6 +94,7 @@ class Telemetry:
     ) -> None:
         with self._lock:
             self.link.append(LinkEvent(start, end, key, nbytes, prefetch))
+            self._merge("link", start, end)
             self.link_busy_s += end - start
             self.fetched += 1
 
@@ -91,12 +103,40 @@ class Telemetry:
     ) -> None:
         with self._lock:
             self.compute.append(ComputeEvent(start, end, layer, requests, tokens))
+            self._merge("compute", start, end)
             self.compute_busy_s += end - start
 
     def record_token(self, request_id: str) -> None:
         with self._lock:
             self.tokens.append((time.perf_counter(), request_id))
             self.n_tokens += 1
+
+    def _merge(self, lane: str, start: float, end: float) -> None:
+        merged = self._merged[lane]
+        if merged and start - merged[-1][1] < MERGE_GAP_S:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+
+    def merged_lanes(self, start: float, end: float) -> tuple[list[Interval], list[Interval]]:
+        """Both lanes over [start, end], intervals closer than ``MERGE_GAP_S`` merged:
+        what ``coalesce`` gives for ``lanes`` (to within that gap at ``start``), at the
+        cost of the few merged intervals."""
+        with self._lock:
+            link = self._recent_merged(self._merged["link"], start, end)
+            comp = self._recent_merged(self._merged["compute"], start, end)
+        return clip(link, start, end), clip(comp, start, end)
+
+    @staticmethod
+    def _recent_merged(merged: deque, start: float, end: float) -> list[Interval]:
+        out = []
+        for s, e in reversed(merged):
+            if e <= start:
+                break
+            if s < end:
+                out.append((s, e))
+        out.reverse()
+        return out
 
     @staticmethod
     def _recent(events: deque, start: float, end: float) -> list[Interval]:
