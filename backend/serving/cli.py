@@ -473,7 +473,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from backend.serving.http import serve_forever
-    from backend.serving.service import EngineService
+    from backend.serving.service import EngineService, on_fresh_thread
 
     config = _engine_config(args)
     if args.max_queue < 1 or not 0 <= args.port < 65536:
@@ -481,7 +481,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"bevy: warning: serving on {args.host} without --api-key", file=sys.stderr)
     try:
-        service = EngineService(_load(args), config)
+        service = on_fresh_thread(lambda: EngineService(_load(args), config))
     except ValueError as exc:  # model-dependent limits (cache size) checked by the engine
         raise BevyError(str(exc)) from None
     try:

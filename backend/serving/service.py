@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 from backend.config import EngineConfig
 from backend.engine.loop import Engine, chat_prompt
@@ -57,6 +58,32 @@ def open_model(path: str | Path, device: str = "cpu", progress: Progress | None 
     return model
 
 
+T = TypeVar("T")
+
+
+def on_fresh_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own that ends with it. Models are loaded and engines
+    started this way: a thread's first parallel torch op gives it an OpenMP thread pool
+    for as long as it lives, and with a second live pool beside the engine thread's,
+    libgomp counts more threads than cores and stops letting its workers spin between
+    parallel regions, so every kernel call of the engine waited for its worker to wake
+    (decoding a third slower on 2 cores: docs/performance.md)."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised on the calling thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="bevy-load", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[return-value]
+
+
 DEGRADED_S = 60.0  # how long a server-side failure keeps /health "degraded"
 
 
@@ -90,9 +117,12 @@ class EngineService:
     def open(
         cls, path: str | Path, config: EngineConfig, progress: Progress | None = None
     ) -> EngineService:
-        model = open_model(path, config.device, progress)
-        grammar.prepare(model.tokenizer, model.config.vocab_size)
-        return cls(model, config)
+        def start() -> EngineService:
+            model = open_model(path, config.device, progress)
+            grammar.prepare(model.tokenizer, model.config.vocab_size)
+            return cls(model, config)
+
+        return on_fresh_thread(start)
 
     # --- requests -----------------------------------------------------------------------
 
