@@ -285,6 +285,13 @@ async def chat(http: httpx.AsyncClient, url: str, messages: list[dict], max_toke
         "ignore_eos": True,
         "cache_prompt": False,  # llama.cpp's prefix cache; Bevy ignores the field
     }
+    try:
+        return await _chat(http, url, body)
+    except httpx.TransportError as exc:  # the connection, not the reply: measured again
+        return Reply(0.0, 0, error=f"transport: {exc!r}")
+
+
+async def _chat(http: httpx.AsyncClient, url: str, body: dict) -> Reply:
     t0 = time.perf_counter()
     reply = Reply(0.0, 0)
     async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
@@ -333,10 +340,14 @@ def measure(url: str, args: argparse.Namespace, chats: list, agent: list) -> dic
     asyncio.run(load(url, chats, 1, 1, 4))  # warm-up: kernels, first pages
     out = {}
     for n in args.concurrency:
-        replies, wall = asyncio.run(load(url, chats, n, args.each, args.max_tokens))
-        bad = [r.error for r in replies if r.error]
-        if bad:
-            raise SystemExit(f"{url}: {len(bad)} requests failed, first: {bad[0]}")
+        for attempt in range(2):
+            replies, wall = asyncio.run(load(url, chats, n, args.each, args.max_tokens))
+            bad = [r.error for r in replies if r.error]
+            if not bad:
+                break
+            print(f"  {url}: {len(bad)} of {len(replies)} failed ({bad[0]})", flush=True)
+            if attempt or not all(b.startswith("transport:") for b in bad):
+                raise SystemExit(f"{url}: requests failed")
         gaps = [b - a for r in replies for a, b in zip(r.times, r.times[1:], strict=False)]
         out[n] = {
             "tok_s": sum(r.tokens for r in replies) / wall,
