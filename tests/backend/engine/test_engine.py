@@ -408,16 +408,20 @@ def test_grouped_experts_match_plain_generation(
 
 
 @pytest.mark.parametrize("backend", ["native", "compiled", "grouped", "eager"])
+@pytest.mark.parametrize("chunk", [512, 3])
 def test_every_expert_backend_that_runs_here_matches_plain_generation(
-    models, references, backend: str
+    models, references, backend: str, chunk: int
 ) -> None:
     """Each expert backend the engine can choose, asked for by name on Q4 experts in
-    stored slots: plain generation's tokens, logits within 1e-4, no pins left, and the
-    backend reported in the metrics. One that cannot run here is refused with the reason."""
+    stored slots, prompts whole and in 3-row slices: plain generation's tokens, logits
+    within 1e-4, no pins left, and the backend reported in the metrics. One that cannot
+    run here is refused with the reason."""
     from backend.engine.experts import why_not
 
     model = models["mixtral-q4-gguf"]
-    config = EngineConfig(policy="bevy", cache="0.3", storage="ssd", expert_backend=backend)
+    config = EngineConfig(
+        policy="bevy", cache="0.3", storage="ssd", expert_backend=backend, prefill_chunk=chunk
+    )
     slots = torch.empty((1, 1), dtype=torch.uint8)
     reason = why_not(backend, model.experts, slots, model.transformer.dtype)
     if reason is not None:
