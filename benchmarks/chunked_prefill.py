@@ -1,6 +1,6 @@
 """Do running chats keep decoding while a long agent prompt is read? Chats decode on the
 demo MoE; an agentic conversation of about ``--prompt-tokens`` tokens (its last turn
-carries a source file, as a coding agent's tool result would) is submitted beside them.
+carries a file, as a coding agent's tool result would) is submitted beside them.
 Reports the chats' inter-token gaps while that prompt is read (p50, p99, max), their
 tokens/s then, and the prompt's time to first token, with the prompt read whole
 (``prefill_chunk`` 0) and in slices, alternating A B A B on one engine.
@@ -23,20 +23,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backend.bench.workloads import load_workload  # noqa: E402
+from backend.bench.workloads import load_workload, workload_path  # noqa: E402
 from backend.config import EngineConfig, SamplingParams  # noqa: E402
 from backend.demo.build import ensure_demo  # noqa: E402
 from backend.engine.loop import chat_prompt  # noqa: E402
 from backend.messages import ErrorEvent, Finished, Submit, TokenEvent  # noqa: E402
 from backend.serving.service import EngineService  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def agent_prompt(svc: EngineService, tokens: int) -> list[int]:
-    """An agentic conversation whose last turn is a file read, cut to about ``tokens``."""
+    """An agentic conversation whose last turn is a file read, cut to about ``tokens``. The
+    file is the bundled agentic workload, which does not change with the code."""
     record = load_workload("agentic")[0]
-    source = (ROOT / "backend" / "engine" / "loop.py").read_text()
+    source = workload_path("agentic").read_text()
     params = SamplingParams(max_tokens=1)
     lo, hi = 0, len(source)
     while hi - lo > 200:  # bisect the file's length to the prompt size

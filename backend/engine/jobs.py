@@ -47,7 +47,7 @@ class JobRunner:
             end = row + r.n
             r.layer, r.h, r.x = layer, h[row:end], x[row:end]
             r.acc, r.done, r.parts = None, set(), {}
-            r.row, r.staged, r.entering, r.emb = 0, [], False, None
+            r.row, r.staged, r.emb = 0, [], None
             if listed is not None:
                 r.route_ids, r.route_w, r.route_list = ids[row:end], w[row:end], listed[row:end]
                 r.needed = tuple(sorted({e for es in r.route_list for e in es}))

@@ -405,7 +405,7 @@ class Engine:
             if self.prefill_chunk and r.n > self.prefill_chunk:
                 # Its first job is attention + router of layer 0, in slices (``_run_slice``).
                 ids = torch.tensor(r.prompt_ids, device=self.model.transformer.device)
-                r.entering, r.emb = True, self.model.transformer.embed(ids)
+                r.emb = self.model.transformer.embed(ids)
             else:
                 whole.append(r)
         if whole:
@@ -476,7 +476,7 @@ class Engine:
     def _sliced(self, r: Request) -> bool:
         """Whether ``r``'s job runs in slices: a long prompt whose layer's experts are all
         claimed (a prompt streaming experts through a smaller cache runs whole)."""
-        if not self.prefill_chunk or r.n <= self.prefill_chunk or r.out_ids:
+        if not self.prefill_chunk or r.n <= self.prefill_chunk:  # decoding: n is 1
             return False
         return r.entering or r.row > 0 or (not r.done and len(r.claim) == len(r.needed))
 

@@ -64,13 +64,16 @@ class Request:
     ready_since: int = 0  # engine tick when the job became ready (FIFO compute order)
     # A long prompt read in slices of rows (chunked prefill, see ``Engine``): the rows of
     # this layer's job done so far, and what they produced for the next layer (h, x, ids,
-    # weights per slice). ``entering``: the job is attention + router of layer 0 on the
-    # embeddings ``emb``, which the prompt has not been through yet.
+    # weights per slice). ``emb``: the prompt's embeddings while its job is still
+    # attention + router of layer 0 (``entering``).
     row: int = 0
     staged: list[tuple] = field(default_factory=list)
-    entering: bool = False
     emb: torch.Tensor | None = None
     finish_reason: str | None = None
+
+    @property
+    def entering(self) -> bool:
+        return self.emb is not None
 
     @property
     def prefill(self) -> bool:

@@ -10,6 +10,7 @@ from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine
 from backend.messages import Finished, Submit
 from backend.models.loader import LoadedModel
+from backend.policies import POLICIES
 
 PROMPTS = [
     [3, 17, 42, 5, 88, 9, 1],
@@ -24,6 +25,9 @@ PROMPTS = [
 
 
 STEPS = 6
+
+# Every policy, bevy-static with groups of 3.
+ALL_POLICIES = [p.replace(":K", ":3") for p in POLICIES]
 
 
 def drain(eng: Engine) -> list:

@@ -1,0 +1,39 @@
+"""The engine tests' tiny models and their plain-generation references, built once per
+run for every module here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.kernels.quants import QType
+from backend.models.gguf_export import write_gguf
+from backend.models.loader import LoadedModel, load_model
+from tests.helpers.engine_runs import PROMPTS, STEPS
+from tests.helpers.reference import greedy_logits
+from tests.helpers.tiny import make_tiny
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
+    root = tmp_path_factory.mktemp("engine")
+    tiny = load_model(make_tiny("mixtral", root / "mixtral"))
+    mixtral = write_gguf(tiny, root / "mixtral.q8.gguf", QType.Q8_0)
+    mixtral_q4 = write_gguf(tiny, root / "mixtral.q4.gguf", QType.Q4_1)
+    return {
+        "mixtral-q8-gguf": load_model(mixtral),
+        "mixtral-q4-gguf": load_model(mixtral_q4),
+        "qwen3-hf": load_model(make_tiny("qwen3_moe", root / "qwen3")),
+        "qwen2-hf": load_model(make_tiny("qwen2_moe", root / "qwen2")),
+    }
+
+
+@pytest.fixture(scope="session")
+def references(models: dict[str, LoadedModel]) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    out = {}
+    for name, m in models.items():
+        out[name] = []
+        for p in PROMPTS:
+            ids, logits = greedy_logits(m, p, STEPS - 1)
+            out[name].append((ids[len(p) :] + [int(logits[-1].argmax())], logits))
+    return out
