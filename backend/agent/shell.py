@@ -242,7 +242,36 @@ def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
             while time.monotonic() < deadline:
                 time.sleep(0.02)
                 proc.poll()  # reap the leader, or the group never looks empty
-                os.killpg(pgid, 0)  # raises once the group is gone
+                if not _group_running(pgid):
+                    return
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    # SIGKILL is delivered asynchronously: wait (briefly) until the group's members
+    # have really died, so that nothing the command started is still running when the
+    # agent reads its result and runs the next command.
+    deadline = time.monotonic() + 2.0
+    while _group_running(pgid) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. Zombies do not count: an
+    orphan's zombie waits for init to reap it, which may never come in a container."""
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():  # macOS: the group's zombies count as members
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for p in proc_dir.iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
