@@ -106,6 +106,7 @@ class Finished:
     completion_tokens: int
     token_ids: tuple[int, ...] = ()
     dropped_messages: int = 0  # left out of the prompt to fit the context (Submit.overflow)
+    stop_sequence: str | None = None  # the stop string that ended it (reason "stop")
 
 
 @dataclass(frozen=True)

@@ -640,6 +640,7 @@ class Engine:
                 len(r.out_ids),
                 tuple(r.out_ids),
                 r.dropped_messages,
+                r.stops.matched if r.stops is not None and reason == "stop" else None,
             )
         )
 

@@ -13,7 +13,8 @@ from backend.agent.loop import Reply
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, Finished, Submit, TokenEvent
 from backend.models.generate import fit_chat, prompt_room
-from backend.serving.openai_schema import ApiError, ChatCompletionRequest
+from backend.serving.api_errors import ApiError
+from backend.serving.openai_schema import ChatCompletionRequest
 from backend.serving.service import EngineService
 from backend.text.tool_calls import StreamParser, parse, tool_syntax
 

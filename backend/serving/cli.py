@@ -287,7 +287,8 @@ def _generate_with_tools(model, messages: list[dict], tools: list[dict], params)
     from dataclasses import replace
 
     from backend.models.generate import chat_prompt_ids, generate
-    from backend.serving.openai_schema import ApiError, ChatCompletionRequest
+    from backend.serving.api_errors import ApiError
+    from backend.serving.openai_schema import ChatCompletionRequest
     from backend.text.tool_calls import parse, tool_syntax
 
     syntax = tool_syntax(model.tokenizer.chat_template, model.tokenizer.special_id)

@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from backend.serving.api_errors import ApiError
 from backend.serving.metrics_text import ApiCounters
-from backend.serving.openai_schema import ApiError
 
 MAX_BODY_BYTES = 32 << 20
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -37,12 +37,21 @@ LOOPBACK_ORIGIN = (
 )
 log = logging.getLogger(__name__)
 _ENDPOINTS = (
+    "/",
     "/health",
     "/v1/models",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/stats",
     "/metrics",
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/ps",
+    "/api/version",
 )
 
 
@@ -123,15 +132,18 @@ def check_headers(
                 "a browser request must send Content-Type: application/json",
                 code="unsupported_media_type",
             )
-    if api.api_key and path != "/health":
+    if api.api_key and path not in ("/", "/health"):
+        # OpenAI and Ollama clients send a bearer token, Anthropic's send x-api-key.
         scheme, _, given = h.get(b"authorization", b"").partition(b" ")
-        ok = scheme.lower() == b"bearer" and hmac.compare_digest(
-            given.strip(), api.api_key.encode()
-        )
+        if scheme.lower() != b"bearer":
+            given = h.get(b"x-api-key", b"")
+        ok = bool(given) and hmac.compare_digest(given.strip(), api.api_key.encode())
         if not ok:
-            what = "a wrong API key" if scheme else "no API key"
+            what = "a wrong API key" if given or scheme else "no API key"
             return ApiError(
-                401, f"{what}: send Authorization: Bearer <key>", code="invalid_api_key"
+                401,
+                f"{what}: send Authorization: Bearer <key> (or x-api-key: <key>)",
+                code="invalid_api_key",
             )
     length = h.get(b"content-length", b"0")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
@@ -198,7 +210,8 @@ class Guard:
             if error is None:
                 await self.app(scope, inner, counting_send)
             else:
-                await JSONResponse(error.body, error.status)(scope, receive, counting_send)
+                response = JSONResponse(error.body_for(path), error.status)
+                await response(scope, receive, counting_send)
         except _ClientLeft:
             status = 499  # nginx's "client closed request": not a server error
             log.info("%s: the client left before sending its whole body", path)

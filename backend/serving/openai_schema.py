@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from backend.config import Grammar, SamplingParams
 from backend.messages import Finished
+from backend.serving.api_errors import ApiError
 from backend.text.tool_calls import (
     Syntax,
     ToolCall,
@@ -22,45 +23,6 @@ from backend.text.tool_calls import (
     lazy_call_grammar,
     tools_prompt,
 )
-
-# --- errors -----------------------------------------------------------------------------
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "server_error",
-}
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    @property
-    def body(self) -> dict:
-        kind = _ERROR_TYPES.get(self.status, "invalid_request_error")
-        return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
-
-
-def validation_error(errors: list) -> ApiError:
-    """A 400 naming the first bad field (FastAPI's default is a 422 of another shape)."""
-    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    where = f"{param}: " if param else ""
-    return ApiError(400, f"{where}{first.get('msg', 'invalid value')}", param=param)
-
 
 # --- requests ---------------------------------------------------------------------------
 

@@ -1,23 +1,23 @@
-"""The OpenAI-compatible API as a FastAPI app over one EngineService: routes and requests.
+"""The API as a FastAPI app over one EngineService: OpenAI's routes, and the requests
+every dialect shares (admission, prompts, collecting or streaming a reply).
 
-Each HTTP request becomes one engine request. The service calls our listener on its
-dispatcher thread, so the listener only hands events to the server's event loop
-(``call_soon_threadsafe``); everything else runs on that loop. A client that goes away
-mid-request aborts it, which releases its cache pins. Starting and stopping a server
-around this app is ``backend.serving.http``'s job.
+Each HTTP request becomes one engine request (``calls.Call``), whose events reach the
+server's event loop; everything else runs on that loop. A client that goes away
+mid-request aborts it, which releases its cache pins. Ollama's routes
+(``ollama_api``) and Anthropic's (``anthropic_api``) are added to the same app and
+share one queue and its limits. Starting and stopping a server around this app is
+``backend.serving.http``'s job.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -25,12 +25,23 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 
 from backend.config import SamplingParams
 from backend.errors import BevyError, ContextTooLong
-from backend.messages import ErrorEvent, Event, Finished, Submit, TokenEvent
+from backend.messages import Finished, Submit, TokenEvent
 from backend.models.generate import fit_chat, prompt_room
+from backend.serving import anthropic_api, ollama_api
+from backend.serving.api_errors import ApiError
+from backend.serving.calls import (
+    Call,
+    CallArgs,
+    CallDone,
+    CallOpen,
+    Done,
+    Text,
+    chat_parts,
+    parse_body,
+)
 from backend.serving.guard import LOOPBACK_ORIGIN, Guard
 from backend.serving.metrics_text import ApiCounters, render_metrics
 from backend.serving.openai_schema import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     chat_chunk,
@@ -38,75 +49,9 @@ from backend.serving.openai_schema import (
     completion,
     model_card,
     usage,
-    validation_error,
 )
 from backend.serving.service import EngineService
-from backend.text.tool_calls import StreamParser, parse, tool_syntax
-
-_Body = TypeVar("_Body", bound=BaseModel)
-
-
-class _Call:
-    """One engine request as the event loop sees it: its events arrive on an asyncio queue."""
-
-    def __init__(self, service: EngineService, rid: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.service, self.rid, self._loop = service, rid, loop
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.tokens = 0
-        self.ended = False
-
-    def listener(self, ev: Event) -> None:  # on the service's dispatcher thread
-        # RuntimeError: the server's loop is closed, nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
-
-    async def events(self) -> AsyncIterator[TokenEvent | Finished]:
-        """Token events, then the Finished; an engine error raises ApiError."""
-        while True:
-            ev = await self._queue.get()
-            if isinstance(ev, ErrorEvent):
-                self.ended = True
-                # Before any token an error is the request's fault (the engine validates
-                # it), unless the engine says it is its own (an expert read failed).
-                ours = ev.server or self.service.failure is not None or self.tokens > 0
-                if ours:
-                    raise ApiError(500, ev.message, code="server_error")
-                raise ApiError(400, ev.message)
-            if isinstance(ev, Finished):
-                self.ended = True
-                if ev.reason == "abort":
-                    raise ApiError(503, "the request was aborted on the server")
-                yield ev
-                return
-            self.tokens += 1
-            yield ev
-
-
-async def _parse(request: Request, model: type[_Body]) -> _Body:
-    """The JSON body as ``model``, whatever the Content-Type (curl -d sends a form type)."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "the body's JSON is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    if b"\\u" in raw:  # only an escape can spell a lone surrogate in UTF-8 JSON
-        try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            bad = exc.object[exc.start : exc.end].encode("unicode_escape").decode()
-            raise ApiError(
-                400, f"the body holds {bad}, an unpaired surrogate: it is not valid Unicode text"
-            ) from None
-        except RecursionError:
-            raise ApiError(400, "the body's JSON is nested too deeply") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
+from backend.text.tool_calls import parse, tool_syntax
 
 
 def _sse(data: dict | str) -> bytes:
@@ -134,7 +79,7 @@ class ApiServer:
         self.counters = ApiCounters()
         self.created = int(time.time())
         self._reserved = 0  # admitted, still rendering the prompt: not yet in service.active
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, Call] = {}
         self.app = self._build()
 
     # --- routes -------------------------------------------------------------------------
@@ -149,23 +94,31 @@ class ApiServer:
             allow_origins=[o for o in self.cors_origins if o != "*"],
             allow_origin_regex=".*" if "*" in self.cors_origins else LOOPBACK_ORIGIN,
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=[
+                "Authorization",
+                "Content-Type",
+                "x-api-key",
+                "anthropic-version",
+                "anthropic-beta",
+                "anthropic-dangerous-direct-browser-access",
+            ],
         )
         name = self.service.model_name
 
+        # Errors in the shape of the dialect the path belongs to.
         @app.exception_handler(ApiError)
-        async def api_error(_: Request, exc: ApiError) -> Response:
-            return JSONResponse(exc.body, exc.status)
+        async def api_error(request: Request, exc: ApiError) -> Response:
+            return JSONResponse(exc.body_for(request.url.path), exc.status)
 
         @app.exception_handler(HTTPException)
-        async def http_error(_: Request, exc: HTTPException) -> Response:
+        async def http_error(request: Request, exc: HTTPException) -> Response:
             err = ApiError(exc.status_code, str(exc.detail))
-            return JSONResponse(err.body, err.status)
+            return JSONResponse(err.body_for(request.url.path), err.status)
 
         @app.exception_handler(Exception)
-        async def crashed(_: Request, exc: Exception) -> Response:
+        async def crashed(request: Request, exc: Exception) -> Response:
             err = ApiError(500, f"internal error: {exc!r}")
-            return JSONResponse(err.body, err.status)
+            return JSONResponse(err.body_for(request.url.path), err.status)
 
         @app.get("/health")
         async def health() -> Response:
@@ -186,32 +139,23 @@ class ApiServer:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
-            body = await _parse(request, ChatCompletionRequest)
+            body = await parse_body(request, ChatCompletionRequest)
             self._check_model(body.model)
-            tok = self.service.model.tokenizer
-            syntax = tool_syntax(tok.chat_template, tok.special_id)
-            fmt = syntax.fmt
-            params = body.params(syntax)
-            messages, tools = body.chat_messages(fmt), body.chat_tools(fmt)
-            overflow = body.context_overflow or "error"
-            call = await self._start(
-                "chatcmpl", params, lambda: self._chat_ids(messages, tools, overflow, params)
-            )
-            reader = fmt if body.uses_tools else None
+            call, reader = await self.start_chat(body, "chatcmpl")
             if body.stream:
                 with_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return self._stream(call, self._chat_chunks(call, with_usage, reader))
-            fin = await self._collect(call, request)
+            fin = await self.collect(call, request)
             content, calls = parse(fin.text, reader) if reader else (fin.text, [])
             return JSONResponse(chat_completion(call.rid, name, content, fin, calls))
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
-            body = await _parse(request, CompletionRequest)
+            body = await parse_body(request, CompletionRequest)
             self._check_model(body.model)
             params = body.params()
             prompt = body.prompt_text_or_ids()
-            call = await self._start("cmpl", params, lambda: self._completion_ids(prompt))
+            call = await self.start("cmpl", params, lambda: self._completion_ids(prompt))
             echo = ""
             if body.echo:
                 tok = self.service.model.tokenizer
@@ -219,7 +163,7 @@ class ApiServer:
             if body.stream:
                 with_usage = bool(body.stream_options and body.stream_options.include_usage)
                 return self._stream(call, self._completion_chunks(call, echo, with_usage))
-            fin = await self._collect(call, request)
+            fin = await self.collect(call, request)
             text = echo + fin.text
             return JSONResponse(
                 completion(call.rid, name, int(time.time()), text, fin.reason, usage(fin))
@@ -235,15 +179,22 @@ class ApiServer:
                 self.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
             )
 
+        @app.get("/")
+        async def root() -> Response:  # Ollama clients probe the root before anything else
+            return PlainTextResponse("Bevy is running")
+
+        ollama_api.add_routes(app, self)
+        anthropic_api.add_routes(app, self)
         return app
 
     # --- requests -----------------------------------------------------------------------
 
     def _check_model(self, model: str | None) -> None:
         # The one model this server runs answers to its id (the file's stem), its file
-        # name and "default", in any case: clients often keep a fixed model name.
+        # name and "default", in any case: clients often keep a fixed model name. Ollama
+        # clients add the tag ":latest" (as /api/tags lists it).
         names = {self.service.model_name, self.service.model.path.name, "default"}
-        if model and model.casefold() not in {n.casefold() for n in names}:
+        if model and model.casefold().removesuffix(":latest") not in {n.casefold() for n in names}:
             raise ApiError(
                 404,
                 f"model {model!r} does not exist; this server runs {self.service.model_name!r}",
@@ -265,15 +216,60 @@ class ApiServer:
             )
         return ids
 
+    async def start_chat(
+        self,
+        body: ChatCompletionRequest,
+        prefix: str,
+        dialect: str = "openai",
+        context: int | None = None,
+        overflow: str | None = None,
+        head_ids: list[int] = (),
+    ) -> tuple[Call, str | None]:
+        """Submit a chat (any dialect, as an OpenAI request): the call, and the tool-call
+        format to read its reply with (None when it uses no tools). ``context``: a
+        smaller context than the model's (Ollama's ``num_ctx``): the prompt is fitted
+        into it and the reply stops at its end. ``overflow``: the policy for a prompt
+        too long for it (default: the body's, else an error). ``head_ids``: tokens
+        before the rendered chat (Ollama's ``context``)."""
+        tok = self.service.model.tokenizer
+        syntax = tool_syntax(tok.chat_template, tok.special_id)
+        fmt = syntax.fmt
+        params = body.params(syntax)
+        messages, tools = body.chat_messages(fmt), body.chat_tools(fmt)
+        overflow = overflow or body.context_overflow or "error"
+        ctx = self.service.model.config.context_length
+        ctx = min(ctx, context) if context else ctx
+        room = ctx - 1 - min(params.max_tokens, ctx // 4) - len(head_ids)
+
+        def ids() -> list[int]:
+            if room < 1:
+                raise ApiError(
+                    400,
+                    f"the context holds {len(head_ids)} tokens; it leaves no room in {ctx}",
+                    param="context",
+                    code="context_length_exceeded",
+                )
+            return self._check_prompt(
+                [*head_ids, *self._chat_ids(messages, tools, overflow, room)], "messages"
+            )
+
+        def fit(n_prompt: int) -> SamplingParams:  # the reply ends where ``context`` does
+            return replace(params, max_tokens=max(1, min(params.max_tokens, ctx - n_prompt)))
+
+        call = await self.start(prefix, fit if context else params, ids, dialect)
+        return call, fmt if body.uses_tools else None
+
     def _chat_ids(
         self,
         messages: list[dict],
         tools: list[dict] | None,
         overflow: str = "error",
-        params: SamplingParams | None = None,
+        room: int | None = None,
     ) -> list[int]:
+        """The prompt's ids in at most ``room`` tokens (default: the context less room
+        for a reply)."""
         model = self.service.model
-        room = prompt_room(model, params.max_tokens if params is not None else 0)
+        room = prompt_room(model, 0) if room is None else room
         try:
             ids, _ = fit_chat(model, messages, tools, room, overflow)
         except ContextTooLong as exc:  # refused before any tokenizing
@@ -294,10 +290,15 @@ class ApiServer:
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return self._check_prompt(list(prompt), "prompt")
 
-    async def _start(
-        self, prefix: str, params: SamplingParams, prompt_ids: Callable[[], list[int]]
-    ) -> _Call:
-        """Admit (429 when the queue is full), tokenize off the loop, submit."""
+    async def start(
+        self,
+        prefix: str,
+        params: SamplingParams | Callable[[int], SamplingParams],
+        prompt_ids: Callable[[], list[int]],
+        dialect: str = "openai",
+    ) -> Call:
+        """Admit (429 when the queue is full), tokenize off the loop, submit.
+        ``params`` may depend on the prompt's length (a callable of it)."""
         if self.service.active + self._reserved >= self.max_queue:
             self.counters.rejected += 1
             raise ApiError(
@@ -308,19 +309,21 @@ class ApiServer:
         self._reserved += 1
         try:
             ids = await run_in_threadpool(prompt_ids)
+            if callable(params):
+                params = params(len(ids))
             rid = self.service.new_id(prefix)
-            call = _Call(self.service, rid, asyncio.get_running_loop())
+            call = Call(self.service, rid, asyncio.get_running_loop(), dialect, ids)
             self._calls[rid] = call
             self.service.submit(Submit(rid, params, prompt_ids=ids, session="api"), call.listener)
         finally:
             self._reserved -= 1
         return call
 
-    def _count(self, fin: Finished) -> None:
+    def count(self, fin: Finished) -> None:
         self.counters.prompt_tokens += fin.prompt_tokens
         self.counters.completion_tokens += fin.completion_tokens
 
-    def _release(self, call: _Call) -> None:
+    def release(self, call: Call) -> None:
         """The HTTP side is done with ``call``; abort it if the engine is not."""
         self._calls.pop(call.rid, None)
         if not call.ended:
@@ -328,104 +331,91 @@ class ApiServer:
             self.counters.aborted += 1
             self.service.abort(call.rid)
 
-    async def _collect(self, call: _Call, request: Request) -> Finished:
+    async def collect(self, call: Call, request: Request) -> Finished:
         """Wait for the whole reply, aborting the request if the client disconnects."""
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self._release(call)
+            self.release(call)
 
         watcher = asyncio.create_task(watch())
         try:
             async for ev in call.events():
                 if isinstance(ev, Finished):
-                    self._count(ev)
+                    self.count(ev)
                     return ev
             raise ApiError(500, "the request ended without a result")
         finally:
             watcher.cancel()
             self._calls.pop(call.rid, None)
 
-    def _stream(self, call: _Call, chunks: AsyncIterator[dict]) -> StreamingResponse:
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in chunks:
-                    yield _sse(chunk)
-            except ApiError as exc:
-                yield _sse(exc.body)
-            finally:  # also on cancellation: Starlette cancels us when the client disconnects
-                self._release(call)
+    def _stream(self, call: Call, chunks: AsyncIterator[dict]) -> StreamingResponse:
+        async def frames() -> AsyncIterator[bytes]:
+            async for chunk in chunks:
+                yield _sse(chunk)
             yield _sse("[DONE]")
 
+        def error(exc: ApiError) -> bytes:
+            return _sse(exc.body) + _sse("[DONE]")
+
+        return self.stream(call, frames(), error, "text/event-stream")
+
+    def stream(
+        self,
+        call: Call,
+        frames: AsyncIterator[bytes],
+        error: Callable[[ApiError], bytes],
+        media_type: str,
+    ) -> StreamingResponse:
+        """A streamed reply of ``call`` (any dialect): its ``frames``, and ``error``'s
+        frame where the request fails mid-stream. The request is aborted when the
+        client goes."""
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for frame in frames:
+                    yield frame
+            except ApiError as exc:
+                yield error(exc)
+            finally:  # also on cancellation: Starlette cancels us when the client disconnects
+                self.release(call)
+
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(body(), media_type=media_type, headers=headers)
 
     async def _chat_chunks(
-        self, call: _Call, with_usage: bool, tool_format: str | None = None
+        self, call: Call, with_usage: bool, tool_format: str | None = None
     ) -> AsyncIterator[dict]:
         """The reply as chunks; with ``tool_format``, calls come out as ``delta.tool_calls``
         as OpenAI sends them (the id and name once, then argument fragments; a call not
         written name first comes whole when it closes), the text around them as content."""
         name, created = self.service.model_name, int(time.time())
-        reader = StreamParser(tool_format) if tool_format else None
-        n_calls = 0
-        sent: tuple[str, str] | None = None  # the call streaming now: (id, arguments sent)
 
         def chunk(delta: dict | None, **kw) -> dict:
             return chat_chunk(call.rid, name, created, delta, with_usage=with_usage, **kw)
 
-        def args_delta(arguments: str) -> dict:
-            return chunk({"tool_calls": [{"index": n_calls, "function": {"arguments": arguments}}]})
-
-        def deltas(text: str, calls: list) -> list[dict]:
-            nonlocal n_calls, sent
-            out = [chunk({"content": text})] if text else []
-            for c in calls:
-                if sent is not None and sent[0] == c.id:  # finish what streamed
-                    if len(c.arguments) > len(sent[1]):
-                        out.append(args_delta(c.arguments[len(sent[1]) :]))
-                else:
-                    out.append(chunk({"tool_calls": [c.openai(index=n_calls)]}))
-                n_calls, sent = n_calls + 1, None
-            part = reader.partial()
-            if sent is not None and (part is None or part[0] != sent[0]):
-                # It closed as no call (malformed): what streamed cannot be taken back, so
-                # the next call takes the next index.
-                n_calls, sent = n_calls + 1, None
-            if part is not None:
-                cid, fn, arguments = part
-                if sent is None:
-                    head = {"index": n_calls, "id": cid, "type": "function"}
-                    out.append(
-                        chunk({"tool_calls": [{**head, "function": {"name": fn, "arguments": ""}}]})
-                    )
-                    sent = (cid, "")
-                if len(arguments) > len(sent[1]):
-                    out.append(args_delta(arguments[len(sent[1]) :]))
-                    sent = (cid, arguments)
-            return out
-
         yield chunk({"role": "assistant", "content": ""})
-        async for ev in call.events():
-            if isinstance(ev, TokenEvent):
-                if reader is None:
-                    if ev.text:
-                        yield chunk({"content": ev.text})
-                else:
-                    for c in deltas(*reader.feed(ev.text)):
-                        yield c
-                continue
-            if reader is not None:
-                for c in deltas(*reader.finish()):
-                    yield c
-            self._count(ev)
-            yield chunk({}, finish="tool_calls" if n_calls else ev.reason)
-            if with_usage:
-                yield chunk(None, usage_=usage(ev))
+        async for part in chat_parts(call, tool_format):
+            if isinstance(part, Text):
+                yield chunk({"content": part.text})
+            elif isinstance(part, CallOpen):
+                head = {"index": part.index, "id": part.id, "type": "function"}
+                fn = {"name": part.name, "arguments": ""}
+                yield chunk({"tool_calls": [{**head, "function": fn}]})
+            elif isinstance(part, CallArgs):
+                fn = {"arguments": part.fragment}
+                yield chunk({"tool_calls": [{"index": part.index, "function": fn}]})
+            elif isinstance(part, CallDone) and not part.streamed:
+                yield chunk({"tool_calls": [part.call.openai(index=part.index)]})
+            elif isinstance(part, Done):
+                self.count(part.fin)
+                yield chunk({}, finish="tool_calls" if part.opened else part.fin.reason)
+                if with_usage:
+                    yield chunk(None, usage_=usage(part.fin))
 
     async def _completion_chunks(
-        self, call: _Call, echo: str, with_usage: bool
+        self, call: Call, echo: str, with_usage: bool
     ) -> AsyncIterator[dict]:
         name, created = self.service.model_name, int(time.time())
         if echo:
@@ -435,7 +425,7 @@ class ApiServer:
                 if ev.text:
                     yield completion(call.rid, name, created, ev.text, None, with_usage=with_usage)
                 continue
-            self._count(ev)
+            self.count(ev)
             yield completion(call.rid, name, created, "", ev.reason, with_usage=with_usage)
             if with_usage:
                 yield completion(call.rid, name, created, "", None, usage(ev), choices=False)
@@ -479,6 +469,10 @@ class ApiServer:
                         "tokens": r.tokens,
                         "prompt_tokens": r.prompt_tokens,
                         "prompt_read": round(r.prompt_read, 4),
+                        # The API dialect of a request this server took (None: the app's).
+                        "dialect": call.dialect
+                        if (call := self._calls.get(r.request_id))
+                        else None,
                     }
                     for r in s.requests
                 ],

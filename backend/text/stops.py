@@ -31,6 +31,7 @@ class StopMatcher:
         self._state = [0] * len(stops)  # characters of each stop matched at the text's end
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         if self.stopped:
@@ -50,7 +51,8 @@ class StopMatcher:
                     k += 1
                 if k == len(s):
                     start = base + j + 1 - len(s)
-                    cut = start if cut < 0 else min(cut, start)
+                    if cut < 0 or start < cut:
+                        cut, self.matched = start, s
                     k = f[k - 1]
                 self._state[i] = k
             if cut >= 0:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,24 +13,15 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers.serve import bevy as _bevy
+from tests.helpers.serve import serving
 from tests.helpers.tools import CLOCK, WEATHER
 
-ROOT = Path(__file__).resolve().parents[3]
 KEY = "test-key"
 MODEL = "tiny-moe"  # the name of the tiny_chat_moe folder
 PROMPT = "Name three rivers."
 N_TOKENS = 8
 LONG = {"max_tokens": 4000, "ignore_eos": True}  # runs far longer than any test waits
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bevy(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "backend.serving.cli", *args], cwd=ROOT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -57,39 +46,9 @@ def reference(tiny_chat_moe: Path) -> subprocess.Popen:
 def server(
     tiny_chat_moe: Path, reference: subprocess.Popen, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    port = _free_port()
     logs = tmp_path_factory.mktemp("serve")
-    out, err = logs / "stdout.txt", logs / "stderr.txt"
-    with out.open("w") as o, err.open("w") as e:
-        proc = _bevy(
-            "serve",
-            *("--model", str(tiny_chat_moe), "--port", str(port), "--api-key", KEY),
-            *("--cache", "0.5"),
-            stdout=o,
-            stderr=e,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"the server exited: {err.read_text()}"
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        # The one line announcing the server: printed just after it starts answering.
-        while f"{url}/v1" not in out.read_text():
-            assert time.monotonic() < deadline, f"no announcement: {out.read_text()!r}"
-            time.sleep(0.05)
+    with serving(tiny_chat_moe, logs, "--api-key", KEY, "--cache", "0.5") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

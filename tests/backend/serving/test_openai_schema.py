@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from backend.serving.openai_schema import ApiError, ChatCompletionRequest
+from backend.serving.api_errors import ApiError
+from backend.serving.openai_schema import ChatCompletionRequest
 from backend.text.chat_template import render_chat
 from backend.text.tool_calls import Syntax, parse
 

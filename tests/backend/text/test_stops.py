@@ -10,16 +10,18 @@ from backend.config import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 from backend.text.stops import StopMatcher
 
 
-def reference(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """The text up to the stop string that ends first (the longest of those ending there)."""
+def reference(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """The text up to the stop string that ends first (the longest of those ending
+    there), and that stop string."""
     for end in range(1, len(text) + 1):
         ending = [s for s in stops if text[:end].endswith(s)]
         if ending:
-            return text[: end - max(map(len, ending))], True
-    return text, False
+            longest = max(ending, key=len)
+            return text[: end - len(longest)], longest
+    return text, None
 
 
-def stream(text: str, stops: tuple[str, ...], cuts: list[int]) -> tuple[str, bool]:
+def stream(text: str, stops: tuple[str, ...], cuts: list[int]) -> tuple[str, str | None]:
     m = StopMatcher(stops)
     out, last = [], 0
     for c in sorted(set(cuts)) + [len(text)]:
@@ -27,7 +29,8 @@ def stream(text: str, stops: tuple[str, ...], cuts: list[int]) -> tuple[str, boo
         last = c
     if not m.stopped:
         out.append(m.flush())
-    return "".join(out), m.stopped
+    assert m.stopped == (m.matched is not None)
+    return "".join(out), m.matched
 
 
 @settings(max_examples=400, deadline=None)
