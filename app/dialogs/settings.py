@@ -75,10 +75,19 @@ class SettingsDialog(QDialog):
         self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1.0, singleStep=0.05, decimals=2)
         self.top_p.setValue(float(settings["top_p"]))
         self.max_tokens = QSpinBox(minimum=1, maximum=32768, value=int(settings["max_tokens"]))
-        self.api_enabled = QCheckBox("Serve this engine as an OpenAI-compatible API")
+        self.api_enabled = QCheckBox(
+            "Serve this engine to other apps (OpenAI, Ollama, Anthropic APIs)"
+        )
+        self.api_enabled.setToolTip(
+            "One server answers OpenAI clients at /v1, Ollama clients (Open WebUI, Continue, "
+            "Zed) at the root, and Anthropic-SDK agents (Claude Code) at /v1/messages. "
+            "They share this engine and its expert cache with your sessions."
+        )
         self.api_enabled.setChecked(bool(settings["api_enabled"]))
         self.api_port = QSpinBox(minimum=1, maximum=65535, value=int(settings["api_port"]))
-        self.api_key = QLineEdit(settings["api_key"], placeholderText="optional bearer token")
+        self.api_key = QLineEdit(
+            settings["api_key"], placeholderText="optional (Bearer token or x-api-key)"
+        )
         self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.error = QLabel(wordWrap=True)
         self.error.setStyleSheet("color: #d9534f")

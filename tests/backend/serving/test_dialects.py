@@ -141,6 +141,9 @@ def test_ollama_loads_with_an_empty_chat_and_refuses_what_it_cannot_do(
     assert missing.status_code == 400 and "model" in missing.json()["error"]
     nokey = httpx.post(f"{server}/api/chat", json={"model": MODEL, "messages": []})
     assert nokey.status_code == 401 and "API key" in nokey.json()["error"]
+    # The same guard as OpenAI's routes: a rebinding page's Host is refused.
+    rebound = httpx.post(f"{server}/api/chat", json={}, headers={**AUTH, "Host": "evil.example"})
+    assert rebound.status_code == 403 and "evil.example" in rebound.json()["error"]
 
 
 def test_ollama_format_holds_the_reply_to_a_json_schema(oll: ollama.Client) -> None:
@@ -324,6 +327,10 @@ def test_anthropic_errors_come_in_anthropics_shape(ant: anthropic.Anthropic, ser
     body = r.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in body["error"]["message"]
+    rebound = httpx.post(
+        f"{server}/v1/messages", json={}, headers={"x-api-key": KEY, "Host": "evil.example"}
+    )
+    assert rebound.status_code == 403 and rebound.json()["error"]["type"] == "permission_error"
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
     with pytest.raises(anthropic.BadRequestError) as exc:
         _ask(ant, messages=[{"role": "user", "content": [image]}])
