@@ -541,10 +541,15 @@ class MainWindow(QMainWindow):
         self.error_box.open()
 
     def open_settings(self) -> SettingsDialog:
-        from backend.api import list_models
+        from backend.api import demo_path, list_models
 
-        models = [str(e.path) for e in list_models() if not e.error]
-        dialog = SettingsDialog(self.settings, models, self)
+        entries = [e for e in list_models() if not e.error]
+        models = [str(e.path) for e in entries]
+        by_path = {str(e.path): e for e in entries}
+        demo = next((e for e in entries if e.path == demo_path()), None)
+        if demo is not None:  # the combo's "(demo MoE)" entry
+            by_path[""] = demo
+        dialog = SettingsDialog(self.settings, models, self, by_path)
         dialog.accepted.connect(lambda: self.apply_settings(dialog.values()))
         dialog.open()
         return dialog

@@ -79,6 +79,7 @@ __all__ = [
     "Workspace",
     "add_model",
     "describe_isolation",
+    "demo_path",
     "ensure_demo",
     "format_size",
     "isolation",
@@ -91,6 +92,13 @@ __all__ = [
     "start_api_server",
     "system_prompt",
 ]
+
+
+def demo_path() -> Path:
+    """Where the embedded demo MoE is (or will be, once built)."""
+    from backend.demo.build import demo_path as path
+
+    return path()
 
 
 def ensure_demo(quiet: bool = True) -> Path:

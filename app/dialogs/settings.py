@@ -38,8 +38,17 @@ def _combo(values: tuple[str, ...], current: str) -> QComboBox:
 class SettingsDialog(QDialog):
     """Edits a settings dict; ``values()`` is the result once accepted."""
 
-    def __init__(self, settings: dict, models: list[str], parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        settings: dict,
+        models: list[str],
+        parent: QWidget | None = None,
+        entries: dict | None = None,
+    ) -> None:
+        """``entries``: the models' catalog entries by path ("" for the demo MoE), for
+        what a cache size costs in memory."""
         super().__init__(parent)
+        self._entries = dict(entries or {})
         self.setWindowTitle("Settings")
         self._settings = dict(settings)
         self.model = QComboBox()
@@ -63,12 +72,15 @@ class SettingsDialog(QDialog):
         )
         self.cache = QLineEdit(str(settings["cache"]))
         self.cache.setToolTip("A share of all experts (30%), a count (288) or a size (512MiB)")
+        self.cache_cost = QLabel()
+        self.cache_cost.setStyleSheet("color: palette(mid)")
+        self.cache.textChanged.connect(self._show_cache_cost)
+        self.model.currentIndexChanged.connect(self._show_cache_cost)
+        self.model.editTextChanged.connect(self._show_cache_cost)
         self.policy = _combo(POLICIES, settings["policy"])
         self.policy_note = QLabel(wordWrap=True)
-        self.policy.currentTextChanged.connect(
-            lambda p: self.policy_note.setText(POLICY_NOTES.get(p, ""))
-        )
-        self.policy_note.setText(POLICY_NOTES.get(settings["policy"], ""))
+        self.policy.currentTextChanged.connect(lambda p: self._set_note(POLICY_NOTES.get(p, "")))
+        self._set_note(POLICY_NOTES.get(settings["policy"], ""))
         self.max_active = QSpinBox(minimum=1, maximum=64, value=int(settings["max_active"]))
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.1, decimals=2)
         self.temperature.setValue(float(settings["temperature"]))
@@ -98,6 +110,7 @@ class SettingsDialog(QDialog):
         form.addRow("Device", self.device)
         form.addRow("Expert storage", self.storage)
         form.addRow("Expert cache", self.cache)
+        form.addRow("", self.cache_cost)
         form.addRow("Policy", self.policy)
         form.addRow("", self.policy_note)
         form.addRow("Max concurrent requests", self.max_active)
@@ -119,6 +132,7 @@ class SettingsDialog(QDialog):
         layout = QVBoxLayout(self)
         for w in (engine, defaults, api, self.error, buttons):
             layout.addWidget(w)
+        self._show_cache_cost()
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Model file", "", "GGUF (*.gguf)")
@@ -126,7 +140,40 @@ class SettingsDialog(QDialog):
             self.model.addItem(path, path)
             self.model.setCurrentIndex(self.model.count() - 1)
 
-    def values(self) -> dict:
+    def _set_note(self, text: str) -> None:
+        self.policy_note.setText(text)
+        self._fit_note()
+
+    def _fit_note(self) -> None:
+        # A form row takes a wrapped label's one-line height; this one asks for the
+        # height its text needs at the width it has (the field column's, before layout).
+        width = self.policy_note.width() if self.policy_note.isVisible() else 260
+        self.policy_note.setMinimumHeight(self.policy_note.heightForWidth(width))
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        super().resizeEvent(event)
+        self._fit_note()
+
+    def _show_cache_cost(self) -> None:
+        """What the cache size means for the chosen model: MiB and share of its experts."""
+        entry = self._entries.get(self._model_value())
+        spec = self.cache.text().strip()
+        if entry is None or not entry.n_experts:
+            self.cache_cost.setText("")
+            return
+        try:
+            held = entry.cache_bytes(spec)
+        except ValueError:
+            self.cache_cost.setText("not a size: 30%, 0.3, 288 (experts) or 512MiB")
+            return
+        share = 100 * held / entry.experts_total_bytes if entry.experts_total_bytes else 0
+        self.cache_cost.setText(
+            f"≈ {held / 2**20:,.0f} MiB ({share:.0f} % of "
+            f"{entry.experts_total_bytes / 2**30:.2f} GiB of experts)"
+        )
+
+    def _model_value(self) -> str:
+        """The chosen model's path ("" for the demo MoE), picked or typed."""
         data = self.model.currentData()
         text = self.model.currentText().strip()
         model = (
@@ -134,9 +181,12 @@ class SettingsDialog(QDialog):
             if data is not None and text == self.model.itemText(self.model.currentIndex())
             else text
         )
+        return model or ""
+
+    def values(self) -> dict:
         return {
             **self._settings,
-            "model": model or "",
+            "model": self._model_value(),
             "device": self.device.currentText(),
             "storage": self.storage.currentText(),
             "cache": self.cache.text().strip(),

@@ -25,6 +25,21 @@ class ModelEntry:
     size_bytes: int
     quant: str
     error: str | None = None  # set when the file no longer loads
+    # The routed experts as the cache sees them: how many, the largest one's bytes (a
+    # cache slot, near enough) and all of them together.
+    n_experts: int = 0
+    expert_bytes: int = 0
+    experts_total_bytes: int = 0
+
+    def cache_bytes(self, spec: str) -> int:
+        """About what a cache of ``spec`` ("30%", "288", "512MiB") holds for this model;
+        ValueError for a spec that is none of those."""
+        from backend.config import parse_cache_size
+
+        if not self.n_experts:
+            return 0
+        slots = min(parse_cache_size(spec, self.n_experts, self.expert_bytes), self.n_experts)
+        return slots * self.expert_bytes
 
 
 def describe(path: Path) -> ModelEntry:
@@ -35,8 +50,18 @@ def describe(path: Path) -> ModelEntry:
     except ModelLoadError as exc:
         return ModelEntry(path.name, path, "?", 0, 0, 0, "?", exc.problem)
     c = info.config
+    sizes = [sum(p.nbytes for p in e.parts) for layer in info.experts for e in layer]
     return ModelEntry(
-        info.name, info.path, c.family, c.n_experts, c.top_k, info.size_bytes, info.quant
+        info.name,
+        info.path,
+        c.family,
+        c.n_experts,
+        c.top_k,
+        info.size_bytes,
+        info.quant,
+        n_experts=len(sizes),
+        expert_bytes=max(sizes, default=0),
+        experts_total_bytes=sum(sizes),
     )
 
 
