@@ -568,7 +568,8 @@ class MainWindow(QMainWindow):
         self._update_status()
 
     def open_model_manager(self) -> ModelManager:
-        dialog = ModelManager(self)
+        in_use = str(self.bridge.model_path) if self.bridge.model_path else None
+        dialog = ModelManager(self, in_use)
         dialog.use_model.connect(lambda path: self.apply_settings({**self.settings, "model": path}))
         dialog.open()
         return dialog

@@ -41,7 +41,13 @@ from backend.messages import (
     TokenEvent,
 )
 from backend.policies import POLICIES, POLICY_NOTES
-from backend.serving.catalog import ModelEntry, add_model, format_size, list_models
+from backend.serving.catalog import (
+    ModelEntry,
+    add_model,
+    format_size,
+    list_models,
+    remove_model,
+)
 
 if TYPE_CHECKING:
     from backend.serving.chat_model import LocalChatModel
@@ -88,6 +94,7 @@ __all__ = [
     "new_workspace",
     "open_service",
     "parse_cache_size",
+    "remove_model",
     "run_cli",
     "start_api_server",
     "system_prompt",

@@ -93,3 +93,25 @@ def add_model(path: str | os.PathLike) -> ModelEntry:
         raise BevyError(f"a model named {link.name} is already registered ({link.resolve()})")
     link.symlink_to(src, target_is_directory=src.is_dir())
     return entry
+
+
+def remove_model(path: str | os.PathLike) -> str:
+    """Take a model off the list; returns what was done. A registered model's link goes
+    and its file stays where it is; the demo MoE's built file is deleted (it can be
+    built again)."""
+    from backend.demo.build import demo_path
+
+    target = Path(path).expanduser().resolve()
+    if target == demo_path().resolve():
+        demo_path().unlink(missing_ok=True)
+        return f"Deleted the demo MoE's file ({target}); Get demo MoE builds it again"
+    for entry in sorted(models_dir().iterdir()):
+        if entry.resolve() != target:
+            continue
+        if not entry.is_symlink():
+            raise BevyError(
+                f"{entry} is a model stored in the models folder itself; delete it there"
+            )
+        entry.unlink()
+        return f"Removed {entry.name} from the list; {target} itself is untouched"
+    raise BevyError(f"{target} is not in the model list")

@@ -544,3 +544,37 @@ def test_regenerate_replaces_the_last_reply_and_copy_takes_its_text(qtbot, env: 
     w.view.anchorClicked.emit(QUrl(f"msg:copy:{first.id}"))
     assert QGuiApplication.clipboard().text() == first.content
     close_window(w)
+
+
+def test_model_manager_marks_the_model_in_use_and_removes_others_after_asking(
+    qtbot, env: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    from PySide6.QtWidgets import QMessageBox
+
+    w = open_window(qtbot, settings_for(env, max_tokens=4))
+    other = tmp_path / "other-moe"
+    shutil.copytree(env, other)
+    manager = w.open_model_manager()
+    assert manager.add_path(env) and manager.add_path(other)
+    status = {
+        manager.table.item(r, 7).text(): manager.table.item(r, 1).text()
+        for r in range(manager.table.rowCount())
+    }
+    assert status[str(env)] == "in use" and status[str(other)] == ""
+    # The model in use is refused; another is removed only once the user says yes.
+    assert manager.remove_path(env) is False and "runs this model" in manager.error_box.text()
+    manager.error_box.close()
+    manager.table.selectRow(manager.paths().index(str(other)))
+    manager.remove_selected()
+    box = manager.confirm_box
+    assert box.isVisible() and str(other) in box.text()
+    box.button(QMessageBox.StandardButton.Cancel).click()
+    assert str(other) in manager.paths()
+    manager.remove_selected()
+    manager.confirm_box.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: str(other) not in manager.paths(), timeout=5_000)
+    assert other.exists() and "untouched" in manager.status.text()  # the folder itself stays
+    manager.close()
+    close_window(w)
