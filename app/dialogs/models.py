@@ -170,8 +170,9 @@ class ModelManager(QDialog):
         )
         box = self.confirm_box
         box.buttonClicked.connect(
-            lambda b: box.standardButton(b) == QMessageBox.StandardButton.Yes
-            and self.remove_path(path)
+            lambda b: (
+                box.standardButton(b) == QMessageBox.StandardButton.Yes and self.remove_path(path)
+            )
         )
         self.confirm_box.open()
 

@@ -14,10 +14,18 @@ from collections.abc import Mapping
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.panels._theme import PanelTheme, ThemedPanel, make_plot, style_plot, theme_for
+from app.panels._theme import (
+    PanelTheme,
+    ThemedPanel,
+    make_plot,
+    set_swatch,
+    style_plot,
+    theme_for,
+)
 from backend.api import MetricsSnapshot
 
 
@@ -59,10 +67,16 @@ class ThroughputPanel(ThemedPanel):
         item.showGrid(x=False, y=True, alpha=0.3)
         item.setXRange(-history_s, 0, padding=0)
         item.setYRange(0, 1, padding=0)
-        self.legend = item.addLegend(offset=(8, 8))
-        self.total_curve = pg.PlotDataItem(antialias=True, name="total")
+        self.total_curve = pg.PlotDataItem(antialias=True)
         item.addItem(self.total_curve)
         self.session_curves: dict[str, pg.PlotDataItem] = {}
+        # The legend is a row under the plot, not a box inside it, so that it never
+        # covers the lines it explains.
+        self.legend_row = QHBoxLayout()
+        self.legend_row.setSpacing(4)
+        self.legend_entries: dict[str | None, tuple[QLabel, QLabel]] = {}  # None: total
+        self._add_legend_entry(None, "total")
+        self.legend_row.addStretch(1)
 
         self.summary_label.setToolTip(
             "Tokens generated per second by all sessions together, and since the model loaded."
@@ -72,7 +86,37 @@ class ThroughputPanel(ThemedPanel):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.summary_label)
         layout.addWidget(self.plot, 1)
+        layout.addLayout(self.legend_row)
         self._apply_theme(theme)
+
+    def _add_legend_entry(self, key: str | None, text: str) -> None:
+        swatch, label = QLabel(), QLabel(text)
+        label.setToolTip("All sessions together" if key is None else f"Session: {text}")
+        label.setMaximumWidth(160)  # a long title is cut, the entries stay on one row
+        metrics = label.fontMetrics()
+        label.setText(metrics.elidedText(text, Qt.TextElideMode.ElideRight, 160))
+        at = max(0, self.legend_row.count() - 1)  # before the stretch
+        self.legend_row.insertWidget(at, swatch)
+        self.legend_row.insertWidget(at + 1, label)
+        self.legend_row.insertSpacing(at + 2, 8)
+        self.legend_entries[key] = (swatch, label)
+        self._color_entry(key, theme_for(self))
+
+    def _remove_legend_entry(self, key: str) -> None:
+        entry = self.legend_entries.pop(key, None)
+        if entry is None:
+            return
+        for widget in entry:
+            at = self.legend_row.indexOf(widget)
+            self.legend_row.takeAt(at)
+            widget.deleteLater()
+            if widget is entry[1]:  # its spacing follows it
+                self.legend_row.takeAt(at)
+
+    def _color_entry(self, key: str | None, theme: PanelTheme) -> None:
+        swatch, _ = self.legend_entries[key]
+        color = theme.foreground if key is None else theme.series(self._color_index[key])
+        set_swatch(swatch, QColor(color))
 
     def set_session_names(self, names: Mapping[str, str]) -> None:
         """Titles keyed by request id; applies to tokens counted from now on."""
@@ -145,7 +189,7 @@ class ThroughputPanel(ThemedPanel):
                 del self._series[label]
                 curve = self.session_curves.pop(label, None)
                 if curve is not None:
-                    self.legend.removeItem(curve)
+                    self._remove_legend_entry(label)
                     self.plot.getPlotItem().removeItem(curve)
 
     def _redraw(self, t: float) -> None:
@@ -162,10 +206,11 @@ class ThroughputPanel(ThemedPanel):
             if curve is None:
                 index = self._color_index.setdefault(label, len(self._color_index))
                 curve = pg.PlotDataItem(
-                    antialias=True, name=label, pen=pg.mkPen(theme.series(index), width=1.5)
+                    antialias=True, pen=pg.mkPen(theme.series(index), width=1.5)
                 )
-                self.plot.getPlotItem().addItem(curve)  # a named item joins the legend
+                self.plot.getPlotItem().addItem(curve)
                 self.session_curves[label] = curve
+                self._add_legend_entry(label, label)
             if series:
                 ts, rates = np.array(series).T
                 curve.setData(ts - t, rates)
@@ -180,7 +225,7 @@ class ThroughputPanel(ThemedPanel):
         for label in list(self._series):
             curve = self.session_curves.pop(label, None)
             if curve is not None:
-                self.legend.removeItem(curve)
+                self._remove_legend_entry(label)
                 self.plot.getPlotItem().removeItem(curve)
         self._series.clear()
 
@@ -189,10 +234,5 @@ class ThroughputPanel(ThemedPanel):
         self.total_curve.setPen(pg.mkPen(theme.foreground, width=2.5))
         for label, curve in self.session_curves.items():
             curve.setPen(pg.mkPen(theme.series(self._color_index[label]), width=1.5))
-        frame = QColor(theme.background)
-        frame.setAlphaF(0.8)
-        self.legend.setBrush(frame)
-        self.legend.setPen(pg.mkPen(theme.grid))
-        self.legend.setLabelTextColor(theme.foreground)
-        for _, label in self.legend.items:
-            label.setText(label.text)  # setLabelTextColor only takes effect on the next text
+        for key in self.legend_entries:
+            self._color_entry(key, theme)

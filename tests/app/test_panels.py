@@ -384,6 +384,13 @@ def test_throughput_per_session_rates(qtbot: QtBot) -> None:
     assert rates["refactor parser"] == pytest.approx(20.0)
     assert rates["trip to Porto"] == pytest.approx(30.0)
     assert set(panel.session_curves) == set(rates)
+    # The legend is a row under the plot: the total and one entry per session line.
+    assert set(panel.legend_entries) == {None, *rates}
+    panel.resize(520, 260)
+    panel.show()
+    qtbot.waitExposed(panel)
+    plot_bottom = panel.plot.geometry().bottom()
+    assert all(label.geometry().top() > plot_bottom for _, label in panel.legend_entries.values())
     x, y = panel.total_curve.getData()
     assert len(x) == 40 and y[-1] == pytest.approx(60.0)
     assert panel.summary_label.text() == "60.0 tok/s total · 234 tokens generated"
@@ -393,6 +400,7 @@ def test_throughput_per_session_rates(qtbot: QtBot) -> None:
     for i in range(40, 700):
         panel.update_snapshot(MetricsSnapshot(**{**EMPTY.__dict__, "t": 1000.0 + i * 0.1}))
     assert panel.session_rates() == {} and panel.session_curves == {}
+    assert set(panel.legend_entries) == {None}
 
 
 def test_throughput_empty_and_restart(qtbot: QtBot) -> None:
