@@ -37,9 +37,15 @@ def instance_lock(folder):
 
 
 def _launch_socket(folder) -> str:
-    """The local socket the app on ``folder`` listens on for later launches."""
+    """The local socket the app on ``folder`` listens on for later launches: in the
+    user's own runtime folder ($XDG_RUNTIME_DIR, mode 0700) where there is one, not in
+    the shared /tmp Qt uses for a bare name."""
     digest = hashlib.sha256(str(Path(folder).resolve()).encode()).hexdigest()[:16]
-    return f"bevy-desktop-{digest}"
+    name = f"bevy-desktop-{digest}"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if sys.platform.startswith("linux") and runtime and Path(runtime).is_dir():
+        return str(Path(runtime) / f"{name}.sock")
+    return name
 
 
 def listen_for_launches(folder, window):

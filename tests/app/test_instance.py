@@ -44,14 +44,23 @@ def test_a_second_launch_brings_the_first_window_to_the_front(
 ) -> None:
     from PySide6.QtWidgets import QMainWindow
 
-    data = tmp_path / "data"
+    data, run = tmp_path / "data", tmp_path / "run"
+    run.mkdir(mode=0o700)
     monkeypatch.setenv("BEVY_DATA_DIR", str(data))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
     lock = instance_lock(data)
     window = QMainWindow()  # the first app's window, hidden (minimised, on another desktop)
     qtbot.addWidget(window)
     server = listen_for_launches(data, window)
     assert not window.isVisible()
-    env = {"BEVY_DATA_DIR": str(data), "QT_QPA_PLATFORM": "offscreen", "PATH": "/usr/bin:/bin"}
+    # The socket is in the user's runtime folder, not in the shared /tmp.
+    assert Path(server.fullServerName()).parent == run and list(run.glob("bevy-desktop-*.sock"))
+    env = {
+        "BEVY_DATA_DIR": str(data),
+        "XDG_RUNTIME_DIR": str(run),
+        "QT_QPA_PLATFORM": "offscreen",
+        "PATH": "/usr/bin:/bin",
+    }
     code = "import sys; from app.main import main; sys.exit(main([]))"
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
