@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
+from backend.errors import BevyError
 from backend.messages import Finished
 from backend.models.generate import chat_prompt_ids
 from backend.serving.api_errors import ApiError, validation_error
@@ -103,6 +104,8 @@ class MessagesRequest(CountTokensRequest):
             "top_k": self.top_k,
             "stop": self.stop_sequences or None,
             "response_format": self._response_format(),
+            # Extension under vLLM's name, as on the OpenAI routes (benchmarks, tests).
+            "ignore_eos": (self.model_extra or {}).get("ignore_eos"),
         }
         return self.openai(self.max_tokens, **{k: v for k, v in given.items() if v is not None})
 
@@ -320,7 +323,7 @@ def add_routes(app: FastAPI, api: ApiServer) -> None:
         def count() -> int:
             try:
                 return len(chat_prompt_ids(api.service.model, messages, tools))
-            except ValueError as exc:  # the chat template refused the conversation
+            except (ValueError, BevyError) as exc:  # the chat template refused it
                 raise ApiError(400, str(exc), param="messages") from None
 
         return {"input_tokens": await run_in_threadpool(count)}

@@ -136,7 +136,10 @@ async def chat_parts(call: Call, tool_format: str | None) -> AsyncIterator[Part]
     def parts(text: str, calls: list[ToolCall]) -> list[Part]:
         nonlocal index, closed, sent
         assert reader is not None
-        out: list[Part] = [Text(text)] if text else []
+        # A chunk's text comes before the calls it closes, unless a call was streaming
+        # when it began: then that call ends first and the text is what followed it.
+        after = sent is not None
+        out: list[Part] = [Text(text)] if text and not after else []
         for c in calls:
             if sent is not None and sent[0] != c.id:
                 out.append(CallDropped(index))
@@ -152,6 +155,8 @@ async def chat_parts(call: Call, tool_format: str | None) -> AsyncIterator[Part]
         if sent is not None and (part is None or part[0] != sent[0]):
             out.append(CallDropped(index))
             index, sent = index + 1, None
+        if text and after:
+            out.append(Text(text))
         if part is not None:
             cid, name, arguments = part
             if sent is None:

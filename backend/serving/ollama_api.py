@@ -228,12 +228,20 @@ def add_routes(app: FastAPI, api: ApiServer) -> None:
             check = validated({**fields, "messages": [{"role": "user", "content": ""}]})
             check.check_supported()
             params = check.sampling(check.max_tokens, check.grammar())
-            limit = min(ctx, num_ctx) if num_ctx else ctx
+            limit = num_ctx
             tok = api.service.model.tokenizer
 
             def ids() -> list[int]:
                 new = tok.encode(body.prompt or "", add_special=not context)
-                return api._check_prompt([*context, *new], "prompt")
+                prompt = api._check_prompt([*context, *new], "prompt")
+                if len(prompt) >= limit:
+                    raise ApiError(
+                        400,
+                        f"the prompt has {len(prompt)} tokens; the context (num_ctx) is "
+                        f"{limit} tokens",
+                        param="prompt",
+                    )
+                return prompt
 
             def fit(n_prompt: int) -> SamplingParams:
                 return replace(params, max_tokens=max(1, min(params.max_tokens, limit - n_prompt)))
@@ -268,6 +276,8 @@ async def _json_body(request: Request) -> dict:
         data = json.loads(await request.body())
     except ValueError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
     return data

@@ -15,6 +15,9 @@ from backend.serving.openai_schema import ChatCompletionRequest
 # The version of Ollama's API whose endpoints and fields this implements; clients gate
 # features on it.
 OLLAMA_API_VERSION = "0.12.0"
+# Ollama's context when a request sets no num_ctx (and the model's is larger): each
+# request's KV is booked for it, as Ollama allocates it per request slot.
+DEFAULT_NUM_CTX = 4096
 
 # Options that choose hardware, threads or memory: Ollama applies them when it loads a
 # model; here the engine is configured when it starts, so they are accepted and left.
@@ -68,10 +71,11 @@ class OllamaRequest(BaseModel):
     keep_alive: float | int | str | None = None
     think: bool | str | None = None
 
-    def openai_fields(self, unlimited: int) -> tuple[dict[str, Any], int | None]:
+    def openai_fields(self, unlimited: int) -> tuple[dict[str, Any], int]:
         """Sampling and output fields as an OpenAI chat request takes them, and the
-        context size ``num_ctx`` asks for (None: the model's). ``unlimited``: the
-        reply's token limit when ``num_predict`` sets none (the model's context)."""
+        context the request runs in (``num_ctx``, else Ollama's default, at most the
+        model's). ``unlimited``: the model's context, the reply's token limit when
+        ``num_predict`` sets none (it then ends where the context does)."""
         if self.think:
             raise ApiError(400, f'"{self.model}" does not support thinking', param="think")
         opts = dict(self.options or {})
@@ -93,6 +97,7 @@ class OllamaRequest(BaseModel):
         num_ctx = opts.pop("num_ctx", None)
         if num_ctx is not None and (type(num_ctx) is not int or num_ctx < 2):
             raise ApiError(400, "options.num_ctx must be an integer >= 2", param="options")
+        num_ctx = min(num_ctx or DEFAULT_NUM_CTX, unlimited)
         # Ollama ignores unknown options (it logs them); so do we.
         fmt = self.format
         if fmt == "json":
@@ -111,7 +116,7 @@ class ChatRequest(OllamaRequest):
     # or a named function) is taken here, to force a call.
     tool_choice: str | dict[str, Any] | None = None
 
-    def openai(self, unlimited: int) -> tuple[ChatCompletionRequest, int | None]:
+    def openai(self, unlimited: int) -> tuple[ChatCompletionRequest, int]:
         fields, num_ctx = self.openai_fields(unlimited)
         messages = [openai_message(i, m) for i, m in enumerate(self.messages)]
         fields.update(messages=messages, tools=self.tools or None, stream=False)

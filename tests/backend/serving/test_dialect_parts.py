@@ -25,14 +25,16 @@ from backend.serving.calls import (
 from backend.serving.ollama_schema import ChatRequest
 
 
-def _run(reply: str, tool_format: str | None, render=None) -> list:
-    """The parts (or what ``render`` makes of the call) of ``reply``, streamed."""
+def _run(reply: str | list[str], tool_format: str | None, render=None) -> list:
+    """The parts (or what ``render`` makes of the call) of ``reply``, streamed a
+    character at a time (or in the given pieces, as multi-character tokens)."""
 
     async def main() -> list:
         call = Call(None, "r1", asyncio.get_running_loop(), "openai", [1, 2, 3])  # type: ignore[arg-type]
-        for ch in reply:
-            call.listener(TokenEvent("r1", 0, ch))
-        call.listener(Finished("r1", "stop", reply, 3, len(reply)))
+        for piece in reply:
+            call.listener(TokenEvent("r1", 0, piece))
+        text = "".join(reply)
+        call.listener(Finished("r1", "stop", text, 3, len(reply)))
         await asyncio.sleep(0)
         source = render(call) if render else chat_parts(call, tool_format)
         return [p async for p in source]
@@ -105,6 +107,41 @@ def test_anthropic_events_pair_every_block_and_end_with_the_stop_reason() -> Non
     assert json.loads(arguments) == {"city": "Oslo"}
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert len(api.counted) == 1
+
+
+def test_text_after_a_call_in_the_same_token_comes_after_the_call() -> None:
+    """A token that closes a streaming call and starts the text after it: the call's
+    last arguments and its end come first (Anthropic's tool block must close after its
+    last input_json_delta, not before)."""
+    pieces = [
+        "<tool_call>",
+        '\n{"name": "get_weather", "arguments": {"city": "Pa',
+        'ris"}}\n</tool_call>\nok',
+    ]
+    parts = _run(pieces, "hermes")
+    kinds = [type(p).__name__ for p in parts]
+    assert kinds.index("CallDone") < kinds.index("Text")
+    fragments = "".join(p.fragment for p in parts if isinstance(p, CallArgs))
+    assert json.loads(fragments) == {"city": "Paris"}
+
+    class Counting:
+        def count(self, fin: Finished) -> None:
+            pass
+
+    events = _run(
+        pieces, "hermes", lambda call: anthropic_api._events(Counting(), call, "m", "hermes", 100)
+    )
+    tool_deltas = [
+        e["index"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"
+    ]
+    assert set(tool_deltas) == {0}  # all in the tool block, which is block 0
+    stop_tool = next(i for i, e in enumerate(events) if e["type"] == "content_block_stop")
+    last_delta = max(
+        i for i, e in enumerate(events) if e.get("delta", {}).get("type") == "input_json_delta"
+    )
+    assert last_delta < stop_tool
 
 
 def test_anthropic_stop_reasons() -> None:
@@ -193,7 +230,9 @@ def test_ollama_options_map_to_sampling_and_refuse_what_is_not_done() -> None:
         }
     )
     chat, num_ctx = body.openai(4096)
-    assert num_ctx is None and chat.max_tokens == 16 and chat.repetition_penalty == 1.2
+    assert (
+        num_ctx == 4096 and chat.max_tokens == 16
+    )  # Ollama's default context and chat.repetition_penalty == 1.2
     assert chat.stop == ["\n\n"] and chat.response_format == {"type": "json_object"}
     assert chat.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert chat.messages[2]["name"] == "w"
