@@ -3,10 +3,13 @@
     python benchmarks/load_api.py                      # the demo MoE, 32 clients x 3 requests
     python benchmarks/load_api.py --model DIR --max-tokens 16 --clients 8
     python benchmarks/load_api.py --url http://127.0.0.1:8080   # a server already running
+    python benchmarks/load_api.py --dialects openai,ollama,anthropic   # clients of all three
 
-Each client sends its requests one after another (streaming chat completions from a bundled
-workload), so up to ``--clients`` requests are in flight. Prints completion tokens/s over the
-whole run, requests/s, and p50/p95 of latency and time to first token.
+Each client sends its requests one after another (streaming chats from a bundled
+workload), so up to ``--clients`` requests are in flight. With ``--dialects`` the clients
+take the listed APIs in turn (OpenAI's chat completions, Ollama's /api/chat, Anthropic's
+/v1/messages), each read in its own wire format. Prints completion tokens/s over the
+whole run, requests/s, and p50/p95 of latency and time to first token (per dialect too).
 """
 
 from __future__ import annotations
@@ -36,12 +39,32 @@ class Result:
     ttft_s: float  # time to the first generated text
     completion_tokens: int
     error: str = ""
+    dialect: str = "openai"
 
 
-async def one_request(
-    http: httpx.AsyncClient, url: str, messages: list[dict], args: argparse.Namespace
-) -> Result:
-    body = {
+def _request_body(dialect: str, messages: list[dict], args: argparse.Namespace) -> tuple[str, dict]:
+    """The path and body of one streaming chat in ``dialect``."""
+    if dialect == "ollama":
+        options = {
+            "temperature": args.temperature,
+            "num_predict": args.max_tokens,
+            "ignore_eos": not args.allow_eos,
+        }
+        return "/api/chat", {"model": "default", "messages": messages, "options": options}
+    if dialect == "anthropic":
+        system = [m["content"] for m in messages if m["role"] == "system"]
+        body = {
+            "model": "default",
+            "max_tokens": args.max_tokens,
+            "messages": [m for m in messages if m["role"] != "system"],
+            "stream": True,
+            "temperature": args.temperature,
+            "ignore_eos": not args.allow_eos,
+        }
+        if system:
+            body["system"] = "\n\n".join(system)
+        return "/v1/messages", body
+    return "/v1/chat/completions", {
         "messages": messages,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -49,24 +72,62 @@ async def one_request(
         "temperature": args.temperature,
         "ignore_eos": not args.allow_eos,
     }
+
+
+def _read_line(dialect: str, line: str) -> tuple[str | None, bool, int | None]:
+    """(an error, whether the line carries reply text, the completion token count) of
+    one line of a stream in ``dialect``."""
+    if dialect == "ollama":
+        if not line:
+            return None, False, None
+        chunk = json.loads(line)
+        if "error" in chunk:
+            return chunk["error"], False, None
+        count = chunk.get("eval_count") if chunk.get("done") else None
+        return None, bool(chunk.get("message", {}).get("content")), count
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None, False, None
+    chunk = json.loads(line[6:])
+    if dialect == "anthropic":
+        kind = chunk.get("type")
+        if kind == "error":
+            return chunk["error"]["message"], False, None
+        if kind == "message_delta":
+            return None, False, chunk["usage"]["output_tokens"]
+        delta = chunk.get("delta", {}) if kind == "content_block_delta" else {}
+        return None, bool(delta.get("text")), None
+    if "error" in chunk:
+        return chunk["error"]["message"], False, None
+    text = bool(chunk["choices"] and chunk["choices"][0]["delta"].get("content"))
+    usage = chunk.get("usage")
+    return None, text, usage["completion_tokens"] if usage else None
+
+
+async def one_request(
+    http: httpx.AsyncClient,
+    url: str,
+    messages: list[dict],
+    args: argparse.Namespace,
+    dialect: str = "openai",
+) -> Result:
+    path, body = _request_body(dialect, messages, args)
     t0 = time.perf_counter()
     ttft, tokens = None, 0
-    async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    async with http.stream("POST", f"{url}{path}", json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return Result(time.perf_counter() - t0, 0.0, 0, f"{r.status_code}: {r.text[:200]}")
+            error = f"{r.status_code}: {r.text[:200]}"
+            return Result(time.perf_counter() - t0, 0.0, 0, error, dialect)
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return Result(time.perf_counter() - t0, 0.0, 0, chunk["error"]["message"])
-            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            error, text, count = _read_line(dialect, line)
+            if error:
+                return Result(time.perf_counter() - t0, 0.0, 0, error, dialect)
+            if ttft is None and text:
                 ttft = time.perf_counter() - t0
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+            if count is not None:
+                tokens = count
     latency = time.perf_counter() - t0
-    return Result(latency, latency if ttft is None else ttft, tokens)
+    return Result(latency, latency if ttft is None else ttft, tokens, "", dialect)
 
 
 async def run_load(
@@ -74,13 +135,17 @@ async def run_load(
 ) -> tuple[list[Result], float]:
     prompts = [r["messages"] for r in load_workload(args.workload)]
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    dialects = args.dialects.split(",")
     limits = httpx.Limits(max_connections=args.clients + 4)
     timeout = httpx.Timeout(args.timeout)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as http:
 
         async def client(c: int) -> list[Result]:
+            dialect = dialects[c % len(dialects)]
             return [
-                await one_request(http, url, prompts[(c * args.requests + i) % len(prompts)], args)
+                await one_request(
+                    http, url, prompts[(c * args.requests + i) % len(prompts)], args, dialect
+                )
                 for i in range(args.requests)
             ]
 
@@ -137,6 +202,16 @@ def report(results: list[Result], wall_s: float, stats: dict | None) -> None:
     print(f"requests/s      {len(ok) / wall_s:.2f}")
     print(f"latency         p50 {pct(lat, 50):.2f} s   p95 {pct(lat, 95):.2f} s")
     print(f"first token     p50 {pct(ttft, 50):.2f} s   p95 {pct(ttft, 95):.2f} s")
+    if len({r.dialect for r in ok}) > 1:
+        for dialect in sorted({r.dialect for r in results}):
+            mine = [r for r in ok if r.dialect == dialect]
+            failed = sum(1 for r in results if r.dialect == dialect and r.error)
+            if mine:
+                print(
+                    f"  {dialect:<13} {len(mine)} ok, {failed} failed; first token p50 "
+                    f"{pct([r.ttft_s for r in mine], 50):.2f} s, "
+                    f"{sum(r.completion_tokens for r in mine)} tokens"
+                )
     if stats and "cache_hit_rate" in stats:
         print(f"expert cache    hit rate {stats['cache_hit_rate']:.1%}")
 
@@ -152,12 +227,20 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--allow-eos", action="store_true", help="stop at EOS (default: full length)")
     p.add_argument("--workload", default="chat", help="bundled prompt set (chat, agentic)")
+    p.add_argument(
+        "--dialects",
+        default="openai",
+        help="APIs the clients speak in turn, from openai, ollama, anthropic",
+    )
     p.add_argument("--cache", default="0.3", help="the started server's expert cache")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     args = p.parse_args()
     if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
         p.error("--clients, --requests and --max-tokens must be >= 1")
+    unknown = set(args.dialects.split(",")) - {"openai", "ollama", "anthropic"}
+    if unknown:
+        p.error(f"unknown dialect(s) {', '.join(sorted(unknown))}: use openai, ollama, anthropic")
     proc = None
     url = args.url.rstrip("/") if args.url else None
     if url is None:

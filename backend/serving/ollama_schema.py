@@ -98,6 +98,8 @@ class OllamaRequest(BaseModel):
         if num_ctx is not None and (type(num_ctx) is not int or num_ctx < 2):
             raise ApiError(400, "options.num_ctx must be an integer >= 2", param="options")
         num_ctx = min(num_ctx or DEFAULT_NUM_CTX, unlimited)
+        if opts.pop("ignore_eos", None):  # extension, as on the other routes (benchmarks)
+            fields["ignore_eos"] = True
         # Ollama ignores unknown options (it logs them); so do we.
         fmt = self.format
         if fmt == "json":
