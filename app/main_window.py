@@ -153,7 +153,7 @@ class MainWindow(QMainWindow):
         self.undo_button.clicked.connect(self.undo_delete)
         self.undo_button.hide()
         self.statusBar().insertWidget(0, self.undo_button)
-        self._pending_delete: tuple[int, str, str] | None = None
+        self._pending_delete: tuple[int, str, str, int] | None = None  # id, title, kind, row
         self._undo_timer = QTimer(self)
         self._undo_timer.setSingleShot(True)
         self._undo_timer.timeout.connect(self.commit_delete)
@@ -419,9 +419,9 @@ class MainWindow(QMainWindow):
         after ``UNDO_MS`` unless Undo (in the status bar) brings it back."""
         self.commit_delete()  # one still waiting for its undo goes now
         session = self.store.session(session_id)
-        self._pending_delete = (session_id, session.title, session.kind)
         self.controller.stop(session_id)
-        self.sessions.remove(session_id)
+        row = self.sessions.remove(session_id)
+        self._pending_delete = (session_id, session.title, session.kind, row)
         if self.current_id is None:
             self.view.show_messages([])
             self.title_label.setText("")
@@ -433,11 +433,11 @@ class MainWindow(QMainWindow):
         """Bring back the session deleted last, while its undo lasts."""
         if self._pending_delete is None:
             return
-        session_id, title, kind = self._pending_delete
+        session_id, title, kind, row = self._pending_delete
         self._pending_delete = None
         self._undo_timer.stop()
         self.undo_button.hide()
-        self.sessions.add_session(session_id, title, kind)
+        self.sessions.add_session(session_id, title, kind, max(row, 0))  # where it was
         self.sessions.select(session_id)
 
     def commit_delete(self) -> None:

@@ -197,8 +197,10 @@ class SessionList(QWidget):
                 return item
         return None
 
-    def add_session(self, session_id: int, title: str, kind: str) -> None:
-        self.model.insertRow(0, self._item(session_id, title, kind))
+    def add_session(self, session_id: int, title: str, kind: str, row: int = 0) -> None:
+        """Add a session at ``row`` of the list (the top by default: the newest)."""
+        row = min(max(row, 0), self.model.rowCount())
+        self.model.insertRow(row, self._item(session_id, title, kind))
 
     def set_title(self, session_id: int, title: str) -> None:
         if (item := self._find(session_id)) is not None:
@@ -217,9 +219,13 @@ class SessionList(QWidget):
             item.setData(activity, ACTIVITY_ROLE)
             self._label(item)
 
-    def remove(self, session_id: int) -> None:
-        if (item := self._find(session_id)) is not None:
-            self.model.removeRow(item.row())
+    def remove(self, session_id: int) -> int:
+        """Take a session out of the list; returns the row it had (-1: not listed)."""
+        if (item := self._find(session_id)) is None:
+            return -1
+        row = item.row()
+        self.model.removeRow(row)
+        return row
 
     def titles(self) -> list[str]:
         """Titles in view order (after the search filter)."""

@@ -504,11 +504,14 @@ def test_a_deleted_session_can_be_brought_back_until_its_undo_runs_out(
     other = w.new_session("chat")
     w.rename_session(keep, "Worth keeping")
     before = [m.content for m in w.store.messages(keep)]
+    order = w.sessions.titles()
+    assert order.index("Worth keeping") > 0  # below the newer session
     w.delete_session(keep)
     assert "Worth keeping" not in w.sessions.titles()
     assert "Undo" in w.undo_button.text() and not w.undo_button.isHidden()
     w.undo_button.click()
     assert "Worth keeping" in w.sessions.titles() and w.current_id == keep
+    assert w.sessions.titles() == order  # back where it was in the list
     assert [m.content for m in w.store.messages(keep)] == before and w.undo_button.isHidden()
     w.delete_session(other)
     qtbot.waitUntil(lambda: w.undo_button.isHidden(), timeout=5_000)  # it ran out
