@@ -32,6 +32,7 @@ from backend.serving.ollama_schema import (
     ChatRequest,
     GenerateRequest,
     OllamaRequest,
+    ShowRequest,
     parameter_count,
     size_label,
     validated,
@@ -148,9 +149,9 @@ def add_routes(app: FastAPI, api: ApiServer) -> None:
 
     @app.post("/api/show")
     async def show(request: Request) -> dict:
-        body = await _json_body(request)
-        name = body.get("model") or body.get("name")
-        if not isinstance(name, str) or not name:
+        body = await parse_body(request, ShowRequest)
+        name = body.model or body.name  # "name": older clients
+        if not name:
             raise ApiError(400, "model is required", param="model")
         api._check_model(name)
         m, info = api.service.model, model_listing()
@@ -269,18 +270,6 @@ def _loaded(body: OllamaRequest, reply: dict) -> Response:
             "done_reason": "unload" if unload else "load",
         }
     )
-
-
-async def _json_body(request: Request) -> dict:
-    try:
-        data = json.loads(await request.body())
-    except ValueError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "the body's JSON is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return data
 
 
 def _line(data: dict) -> bytes:

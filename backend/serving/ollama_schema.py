@@ -137,6 +137,13 @@ class GenerateRequest(OllamaRequest):
     images: list[Any] | None = None
 
 
+class ShowRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    name: str | None = None
+
+
 def validated(fields: dict) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(fields)

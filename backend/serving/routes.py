@@ -223,7 +223,7 @@ class ApiServer:
         dialect: str = "openai",
         context: int | None = None,
         overflow: str | None = None,
-        head_ids: list[int] = (),
+        head_ids: tuple[int, ...] | list[int] = (),
     ) -> tuple[Call, str | None]:
         """Submit a chat (any dialect, as an OpenAI request): the call, and the tool-call
         format to read its reply with (None when it uses no tools). ``context``: a

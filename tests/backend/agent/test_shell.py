@@ -18,21 +18,6 @@ needs_bwrap = pytest.mark.skipif(
 )
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies waiting for init to
-    reap them do not count)."""
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
 def test_output_and_exit_code(tmp_path: Path) -> None:
     r = run_command("echo out; echo err >&2; exit 3", tmp_path, sandbox=False)
     assert r.exit_code == 3 and r.output == "out\nerr\n" and r.cut == 0
@@ -57,7 +42,7 @@ def test_a_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:
     assert r.timed_out and r.exit_code is None and time.monotonic() - t0 < 10
     assert "killed at its 1 s timeout" in r.for_model()
     group, child = map(int, pid_file.read_text().split())
-    assert not _group_alive(group) and not _pid_alive(child)
+    assert not shell._group_running(group) and not _pid_alive(child)
 
 
 def test_background_jobs_do_not_outlive_their_command(tmp_path: Path) -> None:
