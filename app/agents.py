@@ -117,7 +117,10 @@ def _close(open_calls: list[str], answered: set[str]) -> list[dict]:
 
 def shown_message(m: Message) -> dict:
     """A stored message as the view shows it."""
-    return {"id": m.id, "role": m.role, "content": m.content, "status": m.status, "data": m.data}
+    shown = {"id": m.id, "role": m.role, "content": m.content, "status": m.status, "data": m.data}
+    if m.branches:  # it has alternatives (edited, regenerated): the view offers them
+        shown["branches"] = list(m.branches)
+    return shown
 
 
 class AgentSessions(QObject):
@@ -156,9 +159,12 @@ class AgentSessions(QObject):
         if session_id in self.runs:
             return "This agent is still working: Esc stops it"
         bridge = self.c.bridge
-        if not bridge.ready:
-            return "No model is loaded yet: agent sessions need one running"
         s = self.c.store.session(session_id)
+        remote = self.c.engine_of(session_id) if s.engine else None
+        if s.engine and remote is None:
+            return f"The engine “{s.engine}” is not set up any more: choose one in Session settings"
+        if remote is None and not bridge.ready:
+            return "No model is loaded yet: agent sessions need one running"
         if not s.workspace:  # made before agents had workspaces: give it one of its own
             self.c.store.update_session(session_id, workspace=default_workspace())
             s = self.c.store.session(session_id)
@@ -169,7 +175,11 @@ class AgentSessions(QObject):
             return f"Cannot start the agent: {exc}"
         values = {k: self.c.settings[k] for k in ("temperature", "top_p", "max_tokens")}
         values.update(s.sampling or {})
-        model = api.local_chat_model(bridge.service, s.title, values)
+        model = (
+            api.RemoteChatModel(remote, values)
+            if remote is not None
+            else api.local_chat_model(bridge.service, s.title, values)
+        )
         history = conversation(self.c.store, session_id)
         forced = model.tool_format == "generic"
         system = api.system_prompt(workspace, forced, api.isolation())

@@ -79,6 +79,10 @@ class Bridge(QObject):
         self._compare_step.connect(self.compare_progress)
         self._compare_cancel: threading.Event | None = None
         self._logged.connect(self.compare_log)
+        # Remote engines (Settings → Engines): one service per engine, and which one each
+        # request in flight went to, so an abort reaches it.
+        self._remotes: dict[str, api.RemoteService] = {}
+        self._remote_ids: dict[str, api.RemoteService] = {}
 
     # --- engine lifetime ----------------------------------------------------------------
 
@@ -190,6 +194,8 @@ class Bridge(QObject):
     def shutdown(self) -> None:
         """Stop everything (app exit). A model still loading is closed by its worker."""
         self._closing = True
+        for rid, remote in list(self._remote_ids.items()):
+            remote.abort(rid)  # remote servers stop generating for a closed app
         self._stop_api_server()
         if self._unsubscribe is not None:
             self._unsubscribe()
@@ -208,20 +214,48 @@ class Bridge(QObject):
         session: str = "",
         tools: list[dict] | None = None,
         overflow: str = "error",
+        continue_final: bool = False,
     ) -> str | None:
         """Queue a reply; returns its request id, or None when no engine is loaded.
-        ``overflow``: what a chat longer than the context does (``Submit.overflow``)."""
+        ``overflow``: what a chat longer than the context does (``Submit.overflow``);
+        ``continue_final``: the reply goes on with the last (assistant) message."""
         if self.service is None:
             return None
         rid = self.service.new_id("app")
         msg = Submit(
-            rid, params, messages=messages, tools=tools, session=session, overflow=overflow
+            rid,
+            params,
+            messages=messages,
+            tools=tools,
+            session=session,
+            overflow=overflow,
+            continue_final=continue_final,
         )
         self.service.submit(msg, self._event.emit)
         return rid
 
+    def submit_remote(
+        self,
+        engine: api.Endpoint,
+        messages: list[dict],
+        params: SamplingParams,
+        continue_final: bool = False,
+    ) -> str:
+        """Queue a reply on a remote engine; its events come as a local reply's do."""
+        service = self._remotes.get(engine.name)
+        if service is None or service.endpoint != engine:  # new, or edited in Settings
+            service = self._remotes[engine.name] = api.RemoteService(engine)
+        rid = service.new_id("app")
+        self._remote_ids[rid] = service
+        msg = Submit(rid, params, messages=messages, continue_final=continue_final)
+        service.submit(msg, self._event.emit)
+        return rid
+
     def abort(self, request_id: str) -> None:
-        if self.service is not None:
+        remote = self._remote_ids.get(request_id)
+        if remote is not None:
+            remote.abort(request_id)  # its stream closes: the server stops too
+        elif self.service is not None:
             self.service.abort(request_id)
 
     @Slot(object)
@@ -230,8 +264,10 @@ class Bridge(QObject):
             if ev.text:
                 self.token.emit(ev.request_id, ev.text)
         elif isinstance(ev, Finished):
+            self._remote_ids.pop(ev.request_id, None)
             self.finished.emit(ev)
         elif isinstance(ev, ErrorEvent):
+            self._remote_ids.pop(ev.request_id or "", None)
             self.failed.emit(ev.request_id or "", ev.message)
 
     # --- compare runs -------------------------------------------------------------------

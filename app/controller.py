@@ -23,14 +23,12 @@ from PySide6.QtCore import QObject, Signal
 
 from app.agents import AgentSessions, default_workspace, shown_message
 from app.bridge import Bridge
+from app.engines import KeyStore, find_engine
 from app.settings import sampling
 from app.store import Session, Store, StoreError
-from backend.api import Finished
+from backend.api import Endpoint, Finished
 
 NEW_TITLES = {"chat": "New chat", "agent": "New agent session"}  # replaced by the first message
-# A chat that outgrows the context drops its oldest turns (the system prompt stays), as
-# LM Studio's default; a session can choose otherwise (Session settings).
-DEFAULT_OVERFLOW = "rolling"
 TITLE_CHARS = 48  # a session's automatic title: the start of its first message
 # A reply's label before its first token (then "generating…"): honest about the wait.
 LOADING = "waiting for the model to load"
@@ -50,10 +48,15 @@ class Reply:
     phase: str | None = None  # before the first token: LOADING, QUEUED, reading the prompt
     submitted_at: float | None = None  # time.monotonic() when the engine was asked
     first_token_at: float | None = None
+    # A continued reply: the text and tokens it had; what arrives goes on from there.
+    prefix: str = ""
+    prior_tokens: int = 0
+    continue_final: bool = False  # the prompt ends inside the reply (a continued one)
+    engine: Endpoint | None = None  # the remote engine it runs on (None: the local one)
 
     @property
     def text(self) -> str:
-        return "".join(self.chunks)
+        return self.prefix + "".join(self.chunks)
 
 
 class ChatController(QObject):
@@ -87,6 +90,10 @@ class ChatController(QObject):
         self.messages: dict[int, list[dict]] = {}  # session id -> messages shown
         self.replies: dict[int, Reply] = {}  # session id -> its reply in progress
         self.by_request: dict[str, Reply] = {}
+        # Messages deleted but still undoable: out of view and of what the model reads,
+        # in the store until ``drop_hidden`` (the window's undo runs out, or a new reply).
+        self.hidden: dict[int, set[int]] = {}
+        self.keys = KeyStore()  # remote engines' API keys
         bridge.token.connect(self._on_token)
         bridge.finished.connect(self._on_finished)
         bridge.failed.connect(self._on_failed)
@@ -112,7 +119,7 @@ class ChatController(QObject):
     def shown(self, session_id: int) -> list[dict]:
         """The session's messages for the view, read from the store the first time."""
         if session_id not in self.messages:
-            self.messages[session_id] = [shown_message(m) for m in self.store.messages(session_id)]
+            self._reload(session_id)
         return self.messages[session_id]
 
     # --- sessions -----------------------------------------------------------------------
@@ -136,12 +143,17 @@ class ChatController(QObject):
         self.session_renamed.emit(session_id, title)
 
     def update_session(
-        self, session_id: int, system_prompt: str, overrides: dict, rules: list[str] | None = None
+        self,
+        session_id: int,
+        system_prompt: str,
+        overrides: dict,
+        rules: list[str] | None = None,
+        engine: str | None = None,
     ) -> None:
-        """Save a session's system prompt, sampling overrides and (agents) permission rules,
-        used from its next reply."""
+        """Save a session's system prompt, sampling overrides, engine ("" local, else a
+        remote one's name) and (agents) permission rules, used from its next reply."""
         self.store.update_session(
-            session_id, system_prompt=system_prompt, sampling=overrides, rules=rules
+            session_id, system_prompt=system_prompt, sampling=overrides, rules=rules, engine=engine
         )
 
     def delete_session(self, session_id: int) -> None:
@@ -159,6 +171,7 @@ class ChatController(QObject):
             self.busy_changed.emit(session_id, False)
         self.store.delete_session(session_id)
         self.messages.pop(session_id, None)
+        self.hidden.pop(session_id, None)
 
     # --- replies ------------------------------------------------------------------------
 
@@ -167,6 +180,7 @@ class ChatController(QObject):
         session is still replying."""
         if session_id in self.replies:
             return False
+        self.drop_hidden(session_id)  # a deleted message is not read by the next reply
         session = self.store.session(session_id)
         if session.kind == "agent":
             return self._send_agent(session, text)
@@ -179,18 +193,87 @@ class ChatController(QObject):
         return True
 
     def regenerate(self, session_id: int, message_id: int | None = None) -> bool:
-        """Replace the chat's last reply (``message_id``, if given, must be it) with a new
-        one to the same history; False, and nothing done, while it is replying, when its
-        last message is not that reply, or when no new one could start (no model, bad
-        sampling settings): the old reply is kept then."""
+        """Answer the chat's last reply's question again (``message_id``, if given, must be
+        that reply): the new reply takes its place and the old one stays as a branch. False,
+        and nothing done, while it is replying, when its last message is not that reply,
+        or when no new one could start (no model, bad sampling settings)."""
+        last = self._last_reply(session_id, message_id)
+        if last is None or not self._can_reply(session_id):
+            return False
+        self.store.rewind(session_id, last.id)
+        self._start_reply(session_id, reload=True)  # shown with its alternative
+        return True
+
+    def edit_and_resend(self, session_id: int, message_id: int, text: str) -> bool:
+        """Send ``text`` in place of the chat's user message ``message_id``: a new branch
+        from there (the old question and everything after it stay a click away) and a new
+        reply to it. False, and nothing done, while the session replies, for a message
+        that is not one of its user messages, or when no reply could start."""
         if session_id in self.replies or self.store.session(session_id).kind != "chat":
             return False
+        if not text.strip():
+            return False
+        self.drop_hidden(session_id)
+        shown = [m for m in self.store.messages(session_id) if m.role == "user"]
+        if not any(m.id == message_id for m in shown) or not self._can_reply(session_id):
+            return False
+        self.store.rewind(session_id, message_id)
+        self.store.add_message(session_id, "user", text)
+        self._reload(session_id)
+        self._start_reply(session_id)
+        return True
+
+    def continue_reply(self, session_id: int, message_id: int | None = None) -> bool:
+        """Let the chat's last reply (``message_id``, if given, must be it) go on where it
+        ended (cut at its token limit, or stopped): new text is added to it. False, and
+        nothing done, as for ``regenerate``, or when the reply has no text to go on from."""
+        last = self._last_reply(session_id, message_id)
+        if last is None or not last.content.strip() or last.status not in ("done", "stopped"):
+            return False
+        if not self._can_reply(session_id):
+            return False
+        history = self.store.history(session_id)  # ends with the reply itself
+        self.store.reopen_message(last.id)
+        shown = self.shown(session_id)
+        if shown and shown[-1].get("id") == last.id:
+            shown[-1].update(status="streaming")
+        reply = Reply(session_id, last.id, history, prefix=last.content)
+        reply.prior_tokens = last.completion_tokens
+        self._begin(reply, continue_final=True)
+        return True
+
+    def show_branch(self, session_id: int, message_id: int) -> bool:
+        """Show the branch through ``message_id`` (one of a message's alternatives); False
+        while the session replies."""
+        if self.is_busy(session_id):
+            return False
+        self.drop_hidden(session_id)
+        try:
+            self.store.switch_branch(session_id, message_id)
+        except StoreError:
+            return False
+        self._reload(session_id)
+        self.token.emit(session_id, "")  # views re-render
+        return True
+
+    def _last_reply(self, session_id: int, message_id: int | None):
+        """The chat's last message if it is a reply (and ``message_id``, if given) and the
+        chat is not replying; else None."""
+        if session_id in self.replies or self.store.session(session_id).kind != "chat":
+            return None
+        self.drop_hidden(session_id)  # deleted ones go before a reply reads the history
         stored = self.store.messages(session_id)
         if not stored or stored[-1].role != "assistant":
-            return False
+            return None
         if message_id is not None and stored[-1].id != message_id:
-            return False
-        if not self.bridge.ready and self.bridge.state != "loading":
+            return None
+        return stored[-1]
+
+    def _can_reply(self, session_id: int) -> bool:
+        """Whether a reply could start now (a model loaded or loading, or a remote engine;
+        valid sampling settings); the notice says why not."""
+        remote = bool(self.store.session(session_id).engine)
+        if not remote and not self.bridge.ready and self.bridge.state != "loading":
             self.notice.emit("No model is loaded: open Model → Settings.")
             return False
         try:
@@ -198,25 +281,94 @@ class ChatController(QObject):
         except ValueError as exc:
             self.notice.emit(f"Invalid sampling settings: {exc}")
             return False
-        self.store.delete_message(stored[-1].id)
-        shown = self.shown(session_id)
-        if shown and shown[-1].get("id") == stored[-1].id:
-            shown.pop()
-        self._start_reply(session_id)
         return True
 
-    def _start_reply(self, session_id: int) -> None:
-        """A streaming reply to the session's history as it is stored now."""
+    def _reload(self, session_id: int) -> None:
+        """The shown messages read again from the store (its branch changed)."""
+        hidden = self.hidden.get(session_id, ())
+        self.messages[session_id] = [
+            shown_message(m) for m in self.store.messages(session_id) if m.id not in hidden
+        ]
+
+    # --- deleting a message, undoably ---------------------------------------------------
+
+    def hide_message(self, session_id: int, message_id: int) -> bool:
+        """Take a message out of a chat (view and history) until ``drop_hidden`` deletes
+        it or ``restore_message`` brings it back; False while the chat replies."""
+        if self.is_busy(session_id) or self.store.session(session_id).kind != "chat":
+            return False
+        if not any(m.get("id") == message_id for m in self.shown(session_id)):
+            return False
+        self.hidden.setdefault(session_id, set()).add(message_id)
+        self._reload(session_id)
+        self.token.emit(session_id, "")  # views re-render
+        return True
+
+    def restore_message(self, session_id: int, message_id: int) -> None:
+        self.hidden.get(session_id, set()).discard(message_id)
+        self._reload(session_id)
+        self.token.emit(session_id, "")
+
+    def drop_hidden(self, session_id: int | None = None) -> None:
+        """Delete for good the hidden messages of ``session_id`` (default: all sessions)."""
+        for sid in [session_id] if session_id is not None else list(self.hidden):
+            for mid in self.hidden.pop(sid, ()):
+                with suppress(StoreError):  # its session was deleted meanwhile
+                    self.store.delete_message(mid)
+
+    def _start_reply(self, session_id: int, reload: bool = False) -> None:
+        """A streaming reply to the session's history as it is stored now; ``reload``: the
+        shown messages are read again after it is added (the branch changed)."""
         history = self.store.history(session_id)
         msg = self.store.add_message(session_id, "assistant", "", status="streaming")
-        shown = self.messages.setdefault(session_id, [])
-        shown.append({"id": msg.id, "role": "assistant", "content": "", "status": "streaming"})
-        reply = Reply(session_id, msg.id, history)
+        if reload:
+            self._reload(session_id)
+        else:
+            shown = self.messages.setdefault(session_id, [])
+            shown.append({"id": msg.id, "role": "assistant", "content": "", "status": "streaming"})
+        self._begin(Reply(session_id, msg.id, history))
+
+    def _begin(self, reply: Reply, continue_final: bool = False) -> None:
+        """Track ``reply`` and ask the engine for it (once it is up)."""
+        session_id = reply.session_id
         self.replies[session_id] = reply
         self.reply_started.emit(session_id)
         self.busy_changed.emit(session_id, True)
+        reply.continue_final = continue_final
+        if self.store.session(session_id).engine:
+            self._submit_remote(reply)
+            return
         self._set_phase(reply, LOADING if self.bridge.state == "loading" else QUEUED)
         self._submit(reply)
+
+    def engine_of(self, session_id: int) -> Endpoint | None:
+        """The remote engine the session runs on; None for the local one (or when the
+        one it names is no longer set up)."""
+        name = self.store.session(session_id).engine
+        return find_engine(self.store, name, self.keys) if name else None
+
+    def _submit_remote(self, reply: Reply) -> None:
+        s = self.store.session(reply.session_id)
+        engine = self.engine_of(s.id)
+        if engine is None:
+            self._end_reply(
+                reply,
+                "error",
+                f"The engine “{s.engine}” is not set up any more: choose one in Session "
+                "settings, or add it again in Model → Engines.",
+            )
+            return
+        try:
+            params = sampling(self.settings, {"sampling": s.sampling})
+        except ValueError as exc:
+            self._end_reply(reply, "error", f"Invalid sampling settings: {exc}")
+            return
+        reply.engine = engine
+        rid = self.bridge.submit_remote(engine, reply.history, params, reply.continue_final)
+        reply.request_id = rid
+        reply.submitted_at = time.monotonic()
+        self.by_request[rid] = reply
+        self._set_phase(reply, f"waiting for {engine.name}")
 
     # --- what a reply is doing before its first token -----------------------------------
 
@@ -300,8 +452,17 @@ class ChatController(QObject):
         except ValueError as exc:
             self._end_reply(reply, "error", f"Invalid sampling settings: {exc}")
             return
-        overflow = (s.sampling or {}).get("context_overflow", DEFAULT_OVERFLOW)
-        rid = self.bridge.submit(reply.history, params, session=s.title, overflow=overflow)
+        # The session's own choice, else the model's (Settings; rolling by default).
+        overflow = (s.sampling or {}).get("context_overflow") or self.settings.get(
+            "context_overflow", "rolling"
+        )
+        rid = self.bridge.submit(
+            reply.history,
+            params,
+            session=s.title,
+            overflow=overflow,
+            continue_final=reply.continue_final,
+        )
         reply.request_id = rid
         reply.submitted_at = time.monotonic()
         self.by_request[rid] = reply
@@ -326,7 +487,7 @@ class ChatController(QObject):
             reply.first_token_at = time.monotonic()
         if reply.phase is not None:
             self._set_phase(reply, None)
-        self.store.update_message(reply.message_id, reply.text, reply.tokens)
+        self.store.update_message(reply.message_id, reply.text, reply.prior_tokens + reply.tokens)
         shown = self.messages.get(reply.session_id)
         if shown:
             shown[-1]["content"] = reply.text
@@ -340,16 +501,24 @@ class ChatController(QObject):
         data = {"stats": self._reply_stats(reply, ev)}
         if ev.dropped_messages:  # the view says where the model's view of the chat began
             data["dropped"] = ev.dropped_messages
-        self._end_reply(reply, status, None, ev.text, ev.prompt_tokens, ev.completion_tokens, data)
+        self._end_reply(
+            reply,
+            status,
+            None,
+            reply.prefix + ev.text,
+            ev.prompt_tokens,
+            reply.prior_tokens + ev.completion_tokens,
+            data,
+        )
 
     def _reply_stats(self, reply: Reply, ev: Finished) -> dict:
         """What the footer under a reply shows: its tokens, speed, wait, why it ended, and
         the model and policy that made it."""
         now = time.monotonic()
         first, n = reply.first_token_at, ev.completion_tokens
-        config = self.bridge.config
+        config = None if reply.engine else self.bridge.config
         return {
-            "tokens": n,
+            "tokens": reply.prior_tokens + n,  # a continued reply counts all its text
             "prompt_tokens": ev.prompt_tokens,
             # Decode speed: the tokens after the first, over the time they took.
             "tok_s": (n - 1) / (now - first)
@@ -359,7 +528,9 @@ class ChatController(QObject):
             if first is not None and reply.submitted_at
             else None,
             "reason": ev.reason,
-            "model": self.bridge.model_name,
+            "model": f"{reply.engine.model} on {reply.engine.name}"
+            if reply.engine
+            else self.bridge.model_name,
             "policy": config.policy if config is not None else "",
         }
 
@@ -379,6 +550,11 @@ class ChatController(QObject):
         data: dict | None = None,
     ) -> None:
         content = text if text is not None else reply.text
+        if error and reply.prefix:
+            # A continuation that failed: the reply keeps what it had (and stays the
+            # model's answer in the history); the notice says what went wrong.
+            self.notice.emit(f"The reply could not be continued: {error}")
+            status, error = "stopped", None
         if error:
             content = f"{content}\n\n> **Error:** {error}" if content else f"> **Error:** {error}"
         with suppress(StoreError):  # the session was deleted while its reply was finishing
@@ -387,7 +563,9 @@ class ChatController(QObject):
                 content,
                 status,
                 prompt_tokens,
-                completion_tokens if completion_tokens is not None else reply.tokens,
+                completion_tokens
+                if completion_tokens is not None
+                else reply.prior_tokens + reply.tokens,
                 data,
             )
         self.replies.pop(reply.session_id, None)

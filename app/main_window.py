@@ -36,11 +36,13 @@ from PySide6.QtWidgets import (
 from app.bridge import Bridge
 from app.controller import ChatController
 from app.dialogs.agent import NewAgentDialog
+from app.dialogs.engines import EnginesDialog
 from app.dialogs.models import ModelManager
 from app.dialogs.session import SessionSettingsDialog
 from app.dialogs.settings import SettingsDialog
+from app.engines import load_engines, save_engines
 from app.panels import CachePanel, OverlapPanel, ProgressPanel, ThroughputPanel
-from app.settings import ENGINE_KEYS, engine_config, merged
+from app.settings import ENGINE_KEYS, PROFILES_KEY, engine_config, merged, profile, with_profile
 from app.store import Store
 from app.widgets.chat import ApprovalBar, ConversationView, InputBox
 from app.widgets.compare import CompareView
@@ -87,6 +89,11 @@ class MainWindow(QMainWindow):
         self.session_settings_button = QPushButton("Session settings…")
         self.title_label = QLabel()
         self.title_label.setStyleSheet("font-weight: bold")
+        # Shown while a question is being edited: Enter sends it as a new branch.
+        self.edit_note = QLabel()
+        self.edit_note.setWordWrap(True)
+        self.edit_note.hide()
+        self._editing: tuple[int, int] | None = None  # session id, message id
         center = QWidget()
         row = QHBoxLayout()
         row.addWidget(self.title_label, 1)
@@ -115,6 +122,7 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.loading)
         layout.addWidget(self.view, 1)
         layout.addWidget(self.approval)
+        layout.addWidget(self.edit_note)
         layout.addLayout(buttons)
         split = QSplitter()
         split.addWidget(self.sessions)
@@ -154,6 +162,7 @@ class MainWindow(QMainWindow):
         self.undo_button.hide()
         self.statusBar().insertWidget(0, self.undo_button)
         self._pending_delete: tuple[int, str, str, int] | None = None  # id, title, kind, row
+        self._pending_message: tuple[int, int] | None = None  # a deleted message: session, id
         self._undo_timer = QTimer(self)
         self._undo_timer.setSingleShot(True)
         self._undo_timer.timeout.connect(self.commit_delete)
@@ -218,6 +227,7 @@ class MainWindow(QMainWindow):
         self._action(file, "Quit", self.close, QKeySequence.Quit)
         model = self.menuBar().addMenu("&Model")
         self._action(model, "Models…", self.open_model_manager)
+        self._action(model, "Engines…", self.open_engines)
         self.settings_action = self._action(
             model, "Settings…", self.open_settings, QKeySequence.Preferences
         )
@@ -368,6 +378,8 @@ class MainWindow(QMainWindow):
         return s.id
 
     def show_session(self, session_id: int) -> None:
+        if self._editing and self._editing[0] != session_id:
+            self.cancel_edit()
         shown = self.controller.shown(session_id)
         self.view.regenerate = self.store.session(session_id).kind == "chat"
         self._update_title(session_id)
@@ -377,13 +389,15 @@ class MainWindow(QMainWindow):
 
     def _update_title(self, session_id: int) -> None:
         s = self.store.session(session_id)
+        where = f" · on {s.engine}" if s.engine else ""
+        self.title_label.setToolTip("")
         if s.kind != "agent":
-            self.title_label.setText(f"{s.title}  (chat)")
+            self.title_label.setText(f"{s.title}  (chat{where})")
             return
         activity = self.controller.agents.activity(session_id)
         sandbox = "sandboxed" if api.isolation() == "bwrap" else "not sandboxed"
         doing = f" · {activity}" if activity else ""
-        self.title_label.setText(f"{s.title}  (coding agent · {sandbox}{doing})")
+        self.title_label.setText(f"{s.title}  (coding agent{where} · {sandbox}{doing})")
         self.title_label.setToolTip(
             f"Workspace: {s.workspace}\nCommands are {api.describe_isolation()}."
         )
@@ -429,8 +443,32 @@ class MainWindow(QMainWindow):
         self.undo_button.show()
         self._undo_timer.start(UNDO_MS)
 
+    def delete_message(self, session_id: int, message_id: int) -> None:
+        """Take a message out of the chat; deleted for good after ``UNDO_MS``, or when
+        the chat's next reply starts, unless Undo brings it back."""
+        self.commit_delete()
+        role = next(
+            (m["role"] for m in self.controller.shown(session_id) if m.get("id") == message_id),
+            None,
+        )
+        if role is None or not self.controller.hide_message(session_id, message_id):
+            return
+        self._pending_message = (session_id, message_id)
+        self.undo_button.setText(
+            "Undo delete of " + ("the reply" if role != "user" else "your message")
+        )
+        self.undo_button.show()
+        self._undo_timer.start(UNDO_MS)
+
     def undo_delete(self) -> None:
-        """Bring back the session deleted last, while its undo lasts."""
+        """Bring back the session (or message) deleted last, while its undo lasts."""
+        if self._pending_message is not None:
+            session_id, message_id = self._pending_message
+            self._pending_message = None
+            self._undo_timer.stop()
+            self.undo_button.hide()
+            self.controller.restore_message(session_id, message_id)
+            return
         if self._pending_delete is None:
             return
         session_id, title, kind, row = self._pending_delete
@@ -440,10 +478,19 @@ class MainWindow(QMainWindow):
         self.sessions.add_session(session_id, title, kind, max(row, 0))  # where it was
         self.sessions.select(session_id)
 
+    def _settle_message(self, session_id: int) -> None:
+        """A reply is about to read the session: a message of it deleted just before
+        goes for good now (the controller drops it too), and its undo with it."""
+        if self._pending_message is not None and self._pending_message[0] == session_id:
+            self.commit_delete()  # at most one delete waits for its undo: this one
+
     def commit_delete(self) -> None:
-        """Delete for good the session waiting for its undo, if any."""
+        """Delete for good the session or message waiting for its undo, if any."""
         self._undo_timer.stop()
         self.undo_button.hide()
+        if self._pending_message is not None:
+            self._pending_message = None
+            self.controller.drop_hidden()
         if self._pending_delete is not None:
             session_id = self._pending_delete[0]
             self._pending_delete = None
@@ -473,8 +520,14 @@ class MainWindow(QMainWindow):
         sid = self.current_id
         if sid is None:
             return None
-        dialog = SessionSettingsDialog(self.store.session(sid), self.settings, self)
-        dialog.accepted.connect(lambda: self.controller.update_session(sid, *dialog.values()))
+        engines = [e.name for e in load_engines(self.store, self.controller.keys)]
+        dialog = SessionSettingsDialog(self.store.session(sid), self.settings, self, engines)
+
+        def save() -> None:
+            self.controller.update_session(sid, *dialog.values())
+            self._update_title(sid)
+
+        dialog.accepted.connect(save)
         dialog.open()  # not exec(): other sessions keep streaming while it is open
         return dialog
 
@@ -493,7 +546,14 @@ class MainWindow(QMainWindow):
         if sid is None:
             sid = self.new_session("chat")
         busy = self.controller.is_busy(sid)
-        if self.controller.send(sid, text):
+        if not busy:
+            self._settle_message(sid)
+        editing = self._editing
+        if editing and editing[0] == sid:
+            if self.controller.edit_and_resend(sid, editing[1], text):
+                self.cancel_edit()
+                return
+        elif self.controller.send(sid, text):
             return
         if busy:
             self.statusBar().showMessage("This session is still replying: Esc stops it", 4000)
@@ -509,13 +569,44 @@ class MainWindow(QMainWindow):
                 if m.get("id") == message_id:
                     QGuiApplication.clipboard().setText(m.get("content") or "")
                     self.statusBar().showMessage("Reply copied", 2000)
-        elif action == "regenerate" and self.controller.is_busy(sid):
+        elif self.controller.is_busy(sid):
             self.statusBar().showMessage("Wait for the reply to finish: Esc stops it", 4000)
-        elif action == "regenerate":
-            self.controller.regenerate(sid, message_id)  # refusals say why (notice)
+        elif action == "delete":
+            self.delete_message(sid, message_id)
+        elif action == "edit":
+            self._start_edit(sid, message_id)
+        elif action in ("regenerate", "continue", "branch"):
+            self._settle_message(sid)
+            start = {
+                "regenerate": self.controller.regenerate,
+                "continue": self.controller.continue_reply,
+                "branch": self.controller.show_branch,
+            }[action]
+            start(sid, message_id)  # refusals say why (the controller's notice)
+
+    def _start_edit(self, session_id: int, message_id: int) -> None:
+        """Put one of the user's messages back in the input box; Enter sends it anew."""
+        for m in self.controller.shown(session_id):
+            if m.get("id") == message_id:
+                self._editing = (session_id, message_id)
+                self.input.setPlainText(m.get("content") or "")
+                self.input.setFocus()
+                self.edit_note.setText(
+                    "<b>Editing your message</b> · Enter sends it as a new branch (the "
+                    "old one stays: ‹ › under it switch) · Esc cancels"
+                )
+                self.edit_note.show()
+
+    def cancel_edit(self) -> None:
+        if self._editing is not None:
+            self._editing = None
+            self.input.clear()
+            self.edit_note.hide()
 
     def stop_current(self) -> None:
-        if self.current_id is not None:
+        if self._editing is not None:  # Esc while editing cancels the edit
+            self.cancel_edit()
+        elif self.current_id is not None:
             self.controller.stop(self.current_id)
 
     def _changed(self, session_id: int, _detail: str = "") -> None:
@@ -549,16 +640,21 @@ class MainWindow(QMainWindow):
         demo = next((e for e in entries if e.path == demo_path()), None)
         if demo is not None:  # the combo's "(demo MoE)" entry
             by_path[""] = demo
-        dialog = SettingsDialog(self.settings, models, self, by_path)
+        profiles = self.store.get_setting(PROFILES_KEY, {})
+        dialog = SettingsDialog(self.settings, models, self, by_path, profiles)
         dialog.accepted.connect(lambda: self.apply_settings(dialog.values()))
         dialog.open()
         return dialog
 
     def apply_settings(self, values: dict) -> None:
-        """Save; reload the engine only when an engine setting changed."""
+        """Save (the model's own settings kept for it too); reload the engine only when
+        an engine setting changed."""
         old = self.settings
         self.settings = merged(values)
         self.store.set_setting("app", self.settings)
+        profiles = self.store.get_setting(PROFILES_KEY, {})
+        profiles[self.settings["model"]] = profile(self.settings)
+        self.store.set_setting(PROFILES_KEY, profiles)
         if any(old[k] != self.settings[k] for k in ENGINE_KEYS) or not self.bridge.ready:
             self.start_engine()
         else:
@@ -570,9 +666,29 @@ class MainWindow(QMainWindow):
     def open_model_manager(self) -> ModelManager:
         in_use = str(self.bridge.model_path) if self.bridge.model_path else None
         dialog = ModelManager(self, in_use)
-        dialog.use_model.connect(lambda path: self.apply_settings({**self.settings, "model": path}))
+        dialog.use_model.connect(self.use_model)
         dialog.open()
         return dialog
+
+    def open_engines(self) -> EnginesDialog:
+        """Remote engines: OpenAI-compatible servers a session can run on."""
+        keys = self.controller.keys
+        dialog = EnginesDialog(load_engines(self.store, keys), keys.where, keys.secure, self)
+
+        def save() -> None:
+            try:
+                save_engines(self.store, dialog.engines(), keys)
+            except ValueError as exc:
+                self.show_error("The engines could not be saved", str(exc))
+
+        dialog.accepted.connect(save)
+        dialog.open()
+        return dialog
+
+    def use_model(self, path: str) -> None:
+        """Load ``path`` with the settings remembered for it (else the current ones)."""
+        profiles = self.store.get_setting(PROFILES_KEY, {})
+        self.apply_settings(with_profile(self.settings, path, profiles))
 
     def open_compare(self) -> CompareView:
         self.compare.show()

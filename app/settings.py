@@ -18,6 +18,9 @@ DEFAULTS: dict = {
     "temperature": 0.7,
     "top_p": 0.95,
     "max_tokens": 512,
+    # A chat that outgrows the context drops its oldest turns (the system prompt stays),
+    # as LM Studio's default; a session can choose otherwise (Session settings).
+    "context_overflow": "rolling",
     "api_enabled": False,
     "api_port": 8080,
     "api_key": "",
@@ -26,6 +29,22 @@ ENGINE_KEYS = ("model", "device", "storage", "cache", "policy", "max_active")
 DEVICES = ("auto", "cuda", "mps", "cpu")
 STORAGES = ("ssd", "host")
 POLICIES = ("bevy", "sync", "prefetch-gate", "prefetch-history")
+OVERFLOWS = ("rolling", "truncate_middle", "error")
+# What is kept per model, as LM Studio keeps a model's load settings: chosen in Settings
+# with that model selected, and applied whenever that model is loaded again.
+MODEL_KEYS = ("storage", "cache", "policy", "context_overflow")
+PROFILES_KEY = "model_profiles"  # the store setting: model path ("" demo) -> its values
+
+
+def profile(s: dict) -> dict:
+    """The per-model part of settings ``s``."""
+    return {k: s[k] for k in MODEL_KEYS}
+
+
+def with_profile(s: dict, model: str, profiles: dict | None) -> dict:
+    """Settings ``s`` for ``model``: its remembered values over them, if it has any."""
+    own = (profiles or {}).get(model) or {}
+    return {**s, "model": model, **{k: own[k] for k in MODEL_KEYS if k in own}}
 
 
 def merged(saved: dict | None) -> dict:
@@ -36,6 +55,8 @@ def merged(saved: dict | None) -> dict:
 def engine_config(s: dict) -> EngineConfig:
     """Raises ValueError naming the bad field."""
     parse_cache_size(s["cache"], 1000, 1)  # format check; the engine applies model limits
+    if s.get("context_overflow", "rolling") not in OVERFLOWS:
+        raise ValueError(f"context_overflow must be one of {', '.join(OVERFLOWS)}")
     return EngineConfig(
         device=s["device"],
         storage=s["storage"],

@@ -82,6 +82,24 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE sessions ADD COLUMN rules TEXT NOT NULL DEFAULT '[]';
     ALTER TABLE messages ADD COLUMN data TEXT NOT NULL DEFAULT '{}';
     """,
+    # 3: branches. Each message follows a parent (NULL: the first); a session shows the
+    # path that ends at its head, so an edited message or a regenerated reply starts a
+    # new branch and the old one stays, a click away. Existing sessions are one path.
+    """
+    ALTER TABLE messages ADD COLUMN parent_id INTEGER;
+    ALTER TABLE sessions ADD COLUMN head INTEGER;
+    UPDATE messages SET parent_id = (
+        SELECT MAX(p.id) FROM messages p
+        WHERE p.session_id = messages.session_id AND p.id < messages.id
+    );
+    UPDATE sessions SET head = (SELECT MAX(m.id) FROM messages m WHERE m.session_id = sessions.id);
+    CREATE INDEX messages_parent ON messages (parent_id);
+    """,
+    # 4: the engine a session runs on: "" the local one, else a remote engine's name
+    # (Settings → Engines).
+    """
+    ALTER TABLE sessions ADD COLUMN engine TEXT NOT NULL DEFAULT '';
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -111,6 +129,7 @@ class Session:
     updated: float
     workspace: str = ""  # agent sessions: the folder the agent works in
     rules: list[str] = field(default_factory=list)  # agent sessions: "allow run_command pytest *"
+    engine: str = ""  # "" the local engine, else the name of a remote one (app/engines.py)
 
 
 @dataclass(frozen=True)
@@ -126,6 +145,10 @@ class Message:
     # Agent sessions: {"tool_calls": [...]} on an assistant turn; on a tool message the
     # call (call_id, name, arguments) and its result (approval, exit_code, seconds, diff).
     data: dict[str, Any] = field(default_factory=dict)
+    parent_id: int | None = None  # the message it follows (None: the session's first)
+    # With alternatives (an edited message, a regenerated reply): the ids of it and them,
+    # oldest first; () when it has none.
+    branches: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +180,7 @@ def _session(row: dict) -> Session:
         row["updated"],
         row.get("workspace", ""),
         json.loads(row.get("rules") or "[]"),
+        row.get("engine") or "",
     )
 
 
@@ -238,6 +262,13 @@ class Store:
                     self.db.conn.rollback()
                 raise
 
+    def _rows(self, sql: str, args: list) -> list[dict]:
+        """A query's rows as dicts. Plain SQL: sqlite-utils' table objects look the schema
+        up on every call, a few ms each on the GUI thread while replies stream."""
+        cur = self.db.execute(sql, args)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
     @property
     def schema_version(self) -> int:
         return self.db.execute("PRAGMA user_version").fetchone()[0]
@@ -269,7 +300,7 @@ class Store:
 
     def session(self, session_id: int) -> Session:
         with self._lock:
-            rows = list(self.db["sessions"].rows_where("id = ?", [session_id]))
+            rows = self._rows("SELECT * FROM sessions WHERE id = ?", [session_id])
         if not rows:
             raise StoreError(f"no session {session_id}")
         return _session(rows[0])
@@ -283,10 +314,13 @@ class Store:
         sampling: dict[str, Any] | None = None,
         rules: list[str] | None = None,
         workspace: str | None = None,
+        engine: str | None = None,
     ) -> Session:
-        """Change any of title, system prompt, sampling settings and (agents) rules and
-        workspace; bumps ``updated``."""
+        """Change any of title, system prompt, sampling settings, engine and (agents)
+        rules and workspace; bumps ``updated``."""
         sets: dict[str, Any] = {"updated": self._clock()}
+        if engine is not None:
+            sets["engine"] = engine
         if rules is not None:
             sets["rules"] = json.dumps(rules)
         if workspace is not None:
@@ -320,12 +354,55 @@ class Store:
             raise StoreError(f"no session {session_id}")
 
     def delete_message(self, message_id: int) -> None:
-        """Delete one message (a reply about to be generated again)."""
+        """Delete one message; what followed it follows its parent, and a session shown up
+        to it is shown up to its parent."""
         with self._lock:
+            row = self.db.execute(
+                "SELECT session_id, parent_id FROM messages WHERE id = ?", [message_id]
+            ).fetchone()
+            if row is None:
+                raise StoreError(f"no message {message_id}")
+            sid, parent = row
             self._forget(message_id)
-            cur = self.db.execute("DELETE FROM messages WHERE id = ?", [message_id])
-        if cur.rowcount == 0:
-            raise StoreError(f"no message {message_id}")
+            with self.db.atomic():
+                self.db.execute(
+                    "UPDATE messages SET parent_id = ? WHERE parent_id = ?", [parent, message_id]
+                )
+                self.db.execute(
+                    "UPDATE sessions SET head = ? WHERE id = ? AND head = ?",
+                    [parent, sid, message_id],
+                )
+                self.db.execute("DELETE FROM messages WHERE id = ?", [message_id])
+
+    def rewind(self, session_id: int, message_id: int) -> None:
+        """Show the session up to the message before ``message_id``: the next message added
+        becomes an alternative to it (a new branch), and ``message_id`` stays a click away."""
+        with self._lock:
+            row = self.db.execute(
+                "SELECT parent_id FROM messages WHERE id = ? AND session_id = ?",
+                [message_id, session_id],
+            ).fetchone()
+            if row is None:
+                raise StoreError(f"no message {message_id} in session {session_id}")
+            self.db.execute("UPDATE sessions SET head = ? WHERE id = ?", [row[0], session_id])
+
+    def switch_branch(self, session_id: int, message_id: int) -> None:
+        """Show the branch through ``message_id``: it, and below it the newest message at
+        each step down to the end."""
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT id, parent_id FROM messages WHERE session_id = ?", [session_id]
+            ).fetchall()
+            children: dict[int, int] = {}
+            for mid, parent in rows:
+                if parent is not None:
+                    children[parent] = max(children.get(parent, mid), mid)
+            if message_id not in {mid for mid, _ in rows}:
+                raise StoreError(f"no message {message_id} in session {session_id}")
+            head = message_id
+            while head in children:
+                head = children[head]
+            self.db.execute("UPDATE sessions SET head = ? WHERE id = ?", [head, session_id])
 
     def list_sessions(self, kind: str | None = None) -> list[Session]:
         """Newest-updated first."""
@@ -352,7 +429,7 @@ class Store:
         _check(role, ROLES, "role")
         _check(status, STATUSES, "status")
         now = self._clock()
-        row = {
+        row: dict[str, Any] = {
             "session_id": session_id,
             "role": role,
             "content": content,
@@ -363,14 +440,21 @@ class Store:
             "data": json.dumps(data or {}),
         }
         with self._lock:
-            try:
-                with self.db.atomic():
-                    mid = self.db["messages"].insert(row).last_pk
-                    self.db.execute(
-                        "UPDATE sessions SET updated = ? WHERE id = ?", [now, session_id]
-                    )
-            except sqlite3.IntegrityError:
-                raise StoreError(f"no session {session_id}") from None
+            head = self.db.execute("SELECT head FROM sessions WHERE id = ?", [session_id])
+            found = head.fetchone()
+            if found is None:
+                raise StoreError(f"no session {session_id}")
+            row["parent_id"] = found[0]  # it follows the message shown last
+            with self.db.atomic():
+                names = ", ".join(row)
+                marks = ", ".join("?" for _ in row)
+                mid = self.db.execute(
+                    f"INSERT INTO messages ({names}) VALUES ({marks})", list(row.values())
+                ).lastrowid
+                self.db.execute(
+                    "UPDATE sessions SET updated = ?, head = ? WHERE id = ?",
+                    [now, mid, session_id],
+                )
             if status == "streaming":
                 self._last_write[mid] = now
         return Message(
@@ -383,6 +467,7 @@ class Store:
             completion_tokens,
             now,
             data or {},
+            found[0],
         )
 
     def update_message(
@@ -443,11 +528,40 @@ class Store:
                     [now, message_id],
                 )
 
-    def messages(self, session_id: int) -> list[Message]:
-        """A session's messages, oldest first (pending streamed text included)."""
+    def reopen_message(self, message_id: int) -> None:
+        """Mark a finished reply as streaming again (it is being continued); its text
+        stays, and ``update_message`` writes what follows."""
         with self._lock:
-            rows = self.db["messages"].rows_where("session_id = ?", [session_id], order_by="id")
-            return [self._message(r) for r in rows]
+            cur = self.db.execute(
+                "UPDATE messages SET status = 'streaming' WHERE id = ?", [message_id]
+            )
+            if cur.rowcount == 0:
+                raise StoreError(f"no message {message_id}")
+            self._last_write[message_id] = self._clock()
+
+    def messages(self, session_id: int) -> list[Message]:
+        """The session's messages on the branch it shows, oldest first (pending streamed
+        text included); each with its alternatives' ids in ``branches`` when it has some."""
+        with self._lock:
+            head = self.db.execute("SELECT head FROM sessions WHERE id = ?", [session_id])
+            found = head.fetchone()
+            rows = {
+                r["id"]: r
+                for r in self._rows("SELECT * FROM messages WHERE session_id = ?", [session_id])
+            }
+            siblings: dict[int | None, list[int]] = {}
+            for mid in sorted(rows):
+                siblings.setdefault(rows[mid]["parent_id"], []).append(mid)
+            path, at = [], found[0] if found else None
+            while at is not None and at in rows and len(path) <= len(rows):
+                path.append(rows[at])
+                at = rows[at]["parent_id"]
+            out = []
+            for r in reversed(path):
+                alternatives = siblings[r["parent_id"]]
+                branches = tuple(alternatives) if len(alternatives) > 1 else ()
+                out.append(self._message(r, branches))
+            return out
 
     def history(self, session_id: int) -> list[dict[str, str]]:
         """The conversation for the model, OpenAI-style, system prompt first.
@@ -472,8 +586,8 @@ class Store:
         if cur.rowcount == 0:
             raise StoreError(f"no message {message_id}")
 
-    def _message(self, row: dict) -> Message:
-        row = {**row, "data": json.loads(row.get("data") or "{}")}
+    def _message(self, row: dict, branches: tuple[int, ...] = ()) -> Message:
+        row = {**row, "data": json.loads(row.get("data") or "{}"), "branches": branches}
         pending = self._pending.get(row["id"])
         if pending is not None:
             row = {**row, "content": pending.content}

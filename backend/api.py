@@ -48,6 +48,14 @@ from backend.serving.catalog import (
     list_models,
     remove_model,
 )
+from backend.serving.remote import (
+    Endpoint,
+    RemoteChatModel,
+    RemoteError,
+    RemoteService,
+    server_stats,
+)
+from backend.serving.remote import list_models as remote_models
 
 if TYPE_CHECKING:
     from backend.serving.chat_model import LocalChatModel
@@ -66,6 +74,7 @@ __all__ = [
     "CallFinished",
     "CallProposed",
     "CallStarted",
+    "Endpoint",
     "EngineConfig",
     "ErrorEvent",
     "Event",
@@ -73,6 +82,9 @@ __all__ = [
     "MetricsSnapshot",
     "ModelEntry",
     "PendingCall",
+    "RemoteChatModel",
+    "RemoteError",
+    "RemoteService",
     "RequestProgress",
     "Rule",
     "Rules",
@@ -94,8 +106,10 @@ __all__ = [
     "new_workspace",
     "open_service",
     "parse_cache_size",
+    "remote_models",
     "remove_model",
     "run_cli",
+    "server_stats",
     "start_api_server",
     "system_prompt",
 ]

@@ -23,6 +23,9 @@ class Submit:
     # With prompt_ids made from a chat elsewhere (serving.service renders chats off the
     # engine thread): how many of its messages fit_chat left out, for Finished.
     dropped_messages: int = 0
+    # The chat's last message is an assistant turn the reply goes on with (a reply cut at
+    # its token limit, continued): the prompt ends inside it; events carry the new text.
+    continue_final: bool = False
 
 
 @dataclass(frozen=True)

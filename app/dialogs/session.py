@@ -25,6 +25,7 @@ from app.store import Session
 from backend import api
 
 OVERFLOW_CHOICES = (
+    ("", "As the model's settings say"),
     ("rolling", "Drop the oldest turns (keep the system prompt)"),
     ("truncate_middle", "Drop turns from the middle (keep the first one)"),
     ("error", "Stop with an error"),
@@ -37,9 +38,17 @@ RULES_HELP = (
 
 
 class SessionSettingsDialog(QDialog):
-    """``values()`` -> (system prompt, sampling overrides); unticked fields use the defaults."""
+    """``values()`` -> (system prompt, sampling overrides, agent rules, engine); unticked
+    fields use the defaults."""
 
-    def __init__(self, session: Session, defaults: dict, parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        session: Session,
+        defaults: dict,
+        parent: QWidget | None = None,
+        engines: list[str] | tuple[str, ...] = (),
+    ) -> None:
+        """``engines``: the remote engines' names (Model → Engines) a session can run on."""
         super().__init__(parent)
         self.setWindowTitle(f"Session settings — {session.title}")
         self.prompt = QPlainTextEdit(session.system_prompt)
@@ -52,6 +61,15 @@ class SessionSettingsDialog(QDialog):
         }
         self.overrides = {}
         form = QFormLayout()
+        self.engine = QComboBox()
+        self.engine.addItem("This computer (the local engine)", "")
+        for name in engines:
+            self.engine.addItem(name, name)
+        if session.engine and self.engine.findData(session.engine) < 0:
+            self.engine.addItem(f"{session.engine} (not set up any more)", session.engine)
+        self.engine.setCurrentIndex(max(0, self.engine.findData(session.engine)))
+        self.engine.setToolTip("Remote engines are set up in Model → Engines")
+        form.addRow("Engine", self.engine)
         form.addRow("System prompt", self.prompt)
         for key, box in self.fields.items():
             box.setValue(own.get(key, defaults[key]))
@@ -65,7 +83,7 @@ class SessionSettingsDialog(QDialog):
         for key, text in OVERFLOW_CHOICES:
             self.overflow.addItem(text, key)
         self.overflow.setCurrentIndex(
-            max(0, self.overflow.findData(own.get("context_overflow", "rolling")))
+            max(0, self.overflow.findData(own.get("context_overflow", "")))
         )
         form.addRow("When the chat outgrows the context", self.overflow)
         self.rules: QPlainTextEdit | None = None
@@ -102,10 +120,14 @@ class SessionSettingsDialog(QDialog):
         lines = [line.strip() for line in self.rules.toPlainText().splitlines() if line.strip()]
         return [str(api.Rule.parse(line)) for line in lines]
 
-    def values(self) -> tuple[str, dict, list[str] | None]:
+    def values(self) -> tuple[str, dict, list[str] | None, str]:
         sampling = {
             k: self.fields[k].value() for k, tick in self.overrides.items() if tick.isChecked()
         }
-        if self.overflow.currentData() != "rolling":  # the default is not stored
+        if self.overflow.currentData():  # "" follows the model's setting: not stored
             sampling["context_overflow"] = self.overflow.currentData()
-        return self.prompt.toPlainText().strip(), sampling, self.rule_lines()
+        return self.prompt.toPlainText().strip(), sampling, self.rule_lines(), self.engine_name()
+
+    def engine_name(self) -> str:
+        """The engine chosen: "" for the local one, else a remote engine's name."""
+        return self.engine.currentData() or ""

@@ -24,8 +24,22 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.settings import DEVICES, POLICIES, STORAGES, engine_config, sampling
+from app.settings import (
+    DEVICES,
+    OVERFLOWS,
+    POLICIES,
+    STORAGES,
+    engine_config,
+    sampling,
+    with_profile,
+)
 from backend.api import POLICY_NOTES
+
+OVERFLOW_TEXT = {
+    "rolling": "drop the oldest turns (keep the system prompt)",
+    "truncate_middle": "drop turns from the middle (keep the first one)",
+    "error": "stop with an error",
+}
 
 
 def _combo(values: tuple[str, ...], current: str) -> QComboBox:
@@ -44,11 +58,14 @@ class SettingsDialog(QDialog):
         models: list[str],
         parent: QWidget | None = None,
         entries: dict | None = None,
+        profiles: dict | None = None,
     ) -> None:
         """``entries``: the models' catalog entries by path ("" for the demo MoE), for
-        what a cache size costs in memory."""
+        what a cache size costs in memory; ``profiles``: each model's remembered
+        settings (``settings.MODEL_KEYS``), shown when that model is chosen."""
         super().__init__(parent)
         self._entries = dict(entries or {})
+        self._profiles = dict(profiles or {})
         self.setWindowTitle("Settings")
         self._settings = dict(settings)
         self.model = QComboBox()
@@ -81,6 +98,12 @@ class SettingsDialog(QDialog):
         self.policy_note = QLabel(wordWrap=True)
         self.policy.currentTextChanged.connect(lambda p: self._set_note(POLICY_NOTES.get(p, "")))
         self._set_note(POLICY_NOTES.get(settings["policy"], ""))
+        self.overflow = QComboBox()
+        for key in OVERFLOWS:
+            self.overflow.addItem(OVERFLOW_TEXT[key], key)
+        self.overflow.setCurrentIndex(max(0, self.overflow.findData(settings["context_overflow"])))
+        self.overflow.setToolTip("A session can choose otherwise in its own settings")
+        self.model.currentIndexChanged.connect(self._show_profile)
         self.max_active = QSpinBox(minimum=1, maximum=64, value=int(settings["max_active"]))
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.1, decimals=2)
         self.temperature.setValue(float(settings["temperature"]))
@@ -108,12 +131,15 @@ class SettingsDialog(QDialog):
         form = QFormLayout(engine)
         form.addRow("Model", model_row)
         form.addRow("Device", self.device)
+        form.addRow("Max concurrent requests", self.max_active)
+        own = QGroupBox("This model (remembered for it, used whenever it loads)")
+        form = QFormLayout(own)
         form.addRow("Expert storage", self.storage)
         form.addRow("Expert cache", self.cache)
         form.addRow("", self.cache_cost)
         form.addRow("Policy", self.policy)
         form.addRow("", self.policy_note)
-        form.addRow("Max concurrent requests", self.max_active)
+        form.addRow("Chats outgrowing the context", self.overflow)
         defaults = QGroupBox("Default sampling (sessions can override)")
         form2 = QFormLayout(defaults)
         form2.addRow("Temperature", self.temperature)
@@ -130,9 +156,20 @@ class SettingsDialog(QDialog):
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         layout = QVBoxLayout(self)
-        for w in (engine, defaults, api, self.error, buttons):
+        for w in (engine, own, defaults, api, self.error, buttons):
             layout.addWidget(w)
         self._show_cache_cost()
+
+    def _show_profile(self) -> None:
+        """The chosen model's remembered settings in the fields (none: left as they are)."""
+        model = self._model_value()
+        if model not in self._profiles:
+            return
+        s = with_profile(self.values(), model, self._profiles)
+        self.storage.setCurrentText(s["storage"])
+        self.cache.setText(str(s["cache"]))
+        self.policy.setCurrentText(s["policy"])
+        self.overflow.setCurrentIndex(max(0, self.overflow.findData(s["context_overflow"])))
 
     def _browse(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Model file", "", "GGUF (*.gguf)")
@@ -191,6 +228,7 @@ class SettingsDialog(QDialog):
             "storage": self.storage.currentText(),
             "cache": self.cache.text().strip(),
             "policy": self.policy.currentText(),
+            "context_overflow": self.overflow.currentData(),
             "max_active": self.max_active.value(),
             "temperature": self.temperature.value(),
             "top_p": self.top_p.value(),

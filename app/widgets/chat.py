@@ -160,12 +160,51 @@ def conversation_markdown(messages: list[dict], expanded: set | frozenset = froz
     return "\n\n---\n\n".join(conversation_parts(messages, expanded))
 
 
+def _branch_links(m: dict) -> str:
+    """ "‹ 2/3 ›" for a message with alternatives: links to the one before and after it."""
+    ids = m.get("branches") or []
+    if m.get("id") not in ids:
+        return ""
+    k = ids.index(m["id"])
+    before = f"[‹](msg:branch:{ids[k - 1]})" if k > 0 else "‹"
+    after = f"[›](msg:branch:{ids[k + 1]})" if k + 1 < len(ids) else "›"
+    return f"{before} {k + 1}/{len(ids)} {after}"
+
+
+def _can_continue(m: dict) -> bool:
+    """A reply that ended early (its token limit, or stopped) with text to go on from."""
+    reason = ((m.get("data") or {}).get("stats") or {}).get("reason")
+    early = m.get("status") == "stopped" or (m.get("status") == "done" and reason == "length")
+    return early and bool((m.get("content") or "").strip())
+
+
+def _actions(m: dict, last: bool, chat: bool) -> list[str]:
+    """A shown message's action links (``msg:<action>:<id>``): copy a reply; in chats,
+    regenerate or continue the last reply, edit a question, delete, and move between
+    branches."""
+    links = []
+    if m.get("status") != "streaming" and m.get("id"):
+        if m["role"] == "assistant":
+            links.append(f"[copy](msg:copy:{m['id']})")
+            if chat and last:
+                links.append(f"[regenerate](msg:regenerate:{m['id']})")
+                if _can_continue(m):
+                    links.append(f"[continue](msg:continue:{m['id']})")
+        elif m["role"] == "user" and chat:
+            links.append(f"[edit](msg:edit:{m['id']})")
+        if chat and m["role"] in ("user", "assistant"):
+            links.append(f"[delete](msg:delete:{m['id']})")
+    nav = _branch_links(m)
+    return [*links, nav] if nav else links
+
+
 def conversation_parts(
     messages: list[dict], expanded: set | frozenset = frozenset(), regenerate: bool = False
 ) -> list[str]:
     """The conversation's Markdown, one part per shown message (the view renders each
     once, and while a reply streams only its own). Finished replies get action links
-    (``msg:copy:<id>``; ``msg:regenerate:<id>`` on the last one, with ``regenerate``)."""
+    (``msg:copy:<id>``); with ``regenerate`` (a chat) the last reply can be generated
+    again or continued, questions edited, and alternatives reached (``_actions``)."""
     parts = []
     for i, m in enumerate(messages):
         data = m.get("data") or {}
@@ -190,11 +229,9 @@ def conversation_parts(
             _inert(m.get("content") or "") or ("…" if m.get("status") == "streaming" else "")
         )
         footer = reply_footer(data.get("stats")) if m.get("status") != "streaming" else ""
-        if m["role"] == "assistant" and m.get("status") != "streaming" and m.get("id"):
-            links = [f"[copy](msg:copy:{m['id']})"]
-            if regenerate and i == len(messages) - 1:
-                links.append(f"[regenerate](msg:regenerate:{m['id']})")
-            footer = f"{footer} · {' · '.join(links)}" if footer else " · ".join(links)
+        links = _actions(m, i == len(messages) - 1, regenerate)
+        if links:
+            footer = " · ".join([footer, *links] if footer else links)
         parts.append(f"{label}\n\n{body}" + (f"\n\n{footer}" if footer else ""))
     return parts
 
@@ -203,7 +240,8 @@ class ConversationView(QTextBrowser):
     """Renders a whole conversation; the owner calls ``show_messages`` (at a capped rate
     while a reply streams). Stays pinned to the bottom unless the user scrolled up."""
 
-    message_action = Signal(str, int)  # "copy" | "regenerate", message id
+    # "copy" | "regenerate" | "continue" | "edit" | "branch" | "delete", message id
+    message_action = Signal(str, int)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -217,7 +255,7 @@ class ConversationView(QTextBrowser):
         self._rendered: dict[tuple, Rendered] = {}
         self._messages: list[dict] = []
         self.expanded: set[int] = set()  # message ids of tool cards shown whole
-        self.regenerate = False  # offer to generate the last reply again (chats)
+        self.regenerate = False  # a chat's actions: regenerate, continue, edit, branches
 
     def _on_link(self, url: QUrl) -> None:
         if url.scheme() == "copy":  # a code block's copy link: copy:<part>.<n>

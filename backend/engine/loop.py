@@ -80,7 +80,7 @@ def chat_prompt(model: LoadedModel, msg: Submit) -> tuple[list[int], int]:
     """A chat Submit's prompt ids, fitted to the context by its overflow policy, and how
     many messages that left out. Raises BevyError (ContextTooLong) when it cannot fit."""
     room = prompt_room(model, msg.params.max_tokens)
-    return fit_chat(model, msg.messages, msg.tools, room, msg.overflow)
+    return fit_chat(model, msg.messages, msg.tools, room, msg.overflow, msg.continue_final)
 
 
 class Engine:

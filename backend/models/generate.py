@@ -37,9 +37,14 @@ class Generation:
 
 
 def chat_prompt_ids(
-    model: LoadedModel, messages: list[dict], tools: list[dict] | None = None
+    model: LoadedModel,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    continue_final: bool = False,
 ) -> list[int]:
-    """Render ``messages`` with the model's chat template and tokenize."""
+    """Render ``messages`` with the model's chat template and tokenize. With
+    ``continue_final`` the last message is an assistant turn the reply goes on with: the
+    prompt ends inside it, after its text, instead of opening a new turn."""
     tok = model.tokenizer
     if tok is None:
         raise BevyError(f"{model.path}: the model has no tokenizer")
@@ -47,13 +52,32 @@ def chat_prompt_ids(
         tok.chat_template or DEFAULT_TEMPLATE,
         messages,
         tools=tools,
+        add_generation_prompt=not continue_final,
         bos_token=tok.bos_token,
         eos_token=tok.eos_token,
     )
+    if continue_final:
+        text = _open_final(text, messages)
     ids = tok.encode(text, add_special=False)
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
         ids.insert(0, tok.bos_id)
     return ids
+
+
+def _open_final(text: str, messages: list[dict]) -> str:
+    """``text``, a rendered chat, cut just after its last message's text: whatever the
+    template writes to close the turn goes, so the model writes on from there. Templates
+    may trim a turn, so the trimmed text is what is looked for (as transformers does)."""
+    final = messages[-1] if messages else {}
+    content = final.get("content")
+    if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
+        raise BevyError("only a reply with text can be continued: the last message must be it")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise BevyError(
+            "this model's chat template changes a reply's text, so the reply cannot be continued"
+        )
+    return text[: at + len(content.strip())]
 
 
 OVERFLOW_POLICIES = ("error", "rolling", "truncate_middle")
@@ -65,13 +89,14 @@ def fit_chat(
     tools: list[dict] | None,
     limit: int,
     policy: str = "error",
+    continue_final: bool = False,
 ) -> tuple[list[int], int]:
     """The prompt ids of ``messages`` in at most ``limit`` tokens, and how many messages
     were left out for it. ``policy``: "error" leaves none out; "rolling" drops the oldest
     turns after the system prompt; "truncate_middle" keeps the first turn too and drops
     the ones after it. A turn goes whole (a user message and what answered it), so
     templates that require user/assistant order still get it; the last user message is
-    never dropped."""
+    never dropped (nor, with ``continue_final``, the reply being continued)."""
     if policy not in OVERFLOW_POLICIES:
         raise BevyError(f"context overflow policy must be one of {', '.join(OVERFLOW_POLICIES)}")
     tok = model.tokenizer
@@ -91,7 +116,7 @@ def fit_chat(
             )
     elif _chars(messages) > bound:
         messages = _drop_by_chars(messages, bound, policy == "truncate_middle")
-    ids = chat_prompt_ids(model, messages, tools)
+    ids = chat_prompt_ids(model, messages, tools, continue_final)
     if len(ids) <= limit or policy == "error":
         return ids, given - len(messages)
     keep, rest = _split(messages, policy == "truncate_middle")
@@ -105,7 +130,7 @@ def fit_chat(
 
     def prompt(k: int) -> list[int]:
         if k not in tried:
-            tried[k] = chat_prompt_ids(model, keep + rest[starts[k] :], tools)
+            tried[k] = chat_prompt_ids(model, keep + rest[starts[k] :], tools, continue_final)
         return tried[k]
 
     lo, hi = 0, len(starts) - 1  # prompt(lo) does not fit; prompt(hi) is the shortest

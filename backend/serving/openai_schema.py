@@ -107,6 +107,30 @@ class ChatCompletionRequest(_GenerationRequest):
     # ("rolling": the oldest after the system prompt; "truncate_middle": those after the
     # first turn). Default: OpenAI's error.
     context_overflow: Literal["error", "rolling", "truncate_middle"] | None = None
+    # vLLM's names: go on with the last (assistant) message instead of opening a new turn.
+    # Unset, a chat ending in an assistant message with text is continued, as llama.cpp's
+    # server does and as Anthropic's and Ollama's APIs define (a prefilled reply).
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    def continues(self) -> bool:
+        """Whether the reply goes on with the chat's last message (see the fields)."""
+        if self.continue_final_message is not None or self.add_generation_prompt is not None:
+            if self.continue_final_message and self.add_generation_prompt:
+                raise ApiError(
+                    400,
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    param="continue_final_message",
+                )
+            return bool(self.continue_final_message)
+        last = self.messages[-1]
+        content = last.get("content")
+        return (
+            last.get("role") == "assistant"
+            and not last.get("tool_calls")
+            and isinstance(content, str)
+            and bool(content.strip())
+        )
 
     def params(self, syntax: Syntax) -> SamplingParams:
         """Sampling settings; ``syntax``: how the model writes calls (``tool_syntax``)."""

@@ -50,6 +50,7 @@ from backend.serving.openai_schema import (
     model_card,
     usage,
 )
+from backend.serving.remote import snapshot_json
 from backend.serving.service import EngineService
 from backend.text.tool_calls import parse, tool_syntax
 
@@ -170,8 +171,13 @@ class ApiServer:
             )
 
         @app.get("/v1/stats")
-        async def stats() -> dict:
-            return self.stats()
+        async def stats(snapshot: bool = False) -> dict:
+            # ?snapshot=1: the engine's whole latest snapshot too (lanes, residency), for
+            # a desktop app drawing this server's panels (backend/serving/remote.py).
+            out = self.stats()
+            if snapshot and self.service.latest is not None:
+                out["snapshot"] = snapshot_json(self.service.latest)
+            return out
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -236,6 +242,7 @@ class ApiServer:
         fmt = syntax.fmt
         params = body.params(syntax)
         messages, tools = body.chat_messages(fmt), body.chat_tools(fmt)
+        continues = body.continues()
         overflow = overflow or body.context_overflow or "error"
         ctx = self.service.model.config.context_length
         ctx = min(ctx, context) if context else ctx
@@ -250,7 +257,8 @@ class ApiServer:
                     code="context_length_exceeded",
                 )
             return self._check_prompt(
-                [*head_ids, *self._chat_ids(messages, tools, overflow, room)], "messages"
+                [*head_ids, *self._chat_ids(messages, tools, overflow, room, continues)],
+                "messages",
             )
 
         def fit(n_prompt: int) -> SamplingParams:  # the reply ends where ``context`` does
@@ -265,13 +273,14 @@ class ApiServer:
         tools: list[dict] | None,
         overflow: str = "error",
         room: int | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         """The prompt's ids in at most ``room`` tokens (default: the context less room
-        for a reply)."""
+        for a reply); ``continue_final``: the reply goes on with the last message."""
         model = self.service.model
         room = prompt_room(model, 0) if room is None else room
         try:
-            ids, _ = fit_chat(model, messages, tools, room, overflow)
+            ids, _ = fit_chat(model, messages, tools, room, overflow, continue_final)
         except ContextTooLong as exc:  # refused before any tokenizing
             raise ApiError(
                 400, str(exc), param="messages", code="context_length_exceeded"

@@ -120,6 +120,8 @@ class EngineService:
         def start() -> EngineService:
             model = open_model(path, config.device, progress)
             grammar.prepare(model.tokenizer, model.config.vocab_size)
+            if model.tokenizer is not None:  # read by every chat's fitting: worked out now
+                _ = model.tokenizer.max_token_chars
             return cls(model, config)
 
         return on_fresh_thread(start)

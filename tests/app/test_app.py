@@ -136,9 +136,9 @@ def test_three_sessions_stream_at_once_into_their_own_views(qtbot, env: Path) ->
     )
     (ARTIFACTS / "gui_latency.txt").write_text(report + "\n")
     print(report)
-    # Target: no stall over 50 ms; the bounds leave room for a busy CI machine while still
-    # catching real blocking work on the GUI thread.
-    assert p99 <= 50 and worst < 100
+    # Issue #28's bounds (measured here: p99 23-24 ms, worst 32-41 ms); real blocking work
+    # on the GUI thread, or another thread holding the interpreter, breaks them.
+    assert p99 <= 30 and worst < 100
     assert w.current_id == long
     # All three were generating at the same time: every first token came before any finish.
     assert max(first_token.values()) < min(finished_at)
@@ -544,8 +544,126 @@ def test_regenerate_replaces_the_last_reply_and_copy_takes_its_text(qtbot, env: 
     new = stored[-1]
     assert new.status == "done" and new.data["stats"] != old.data["stats"]  # a new run
     assert new.content == old.content  # greedy: the same history gives the same reply
+    assert new.branches == (old.id, new.id)  # the old reply stays, a click away
+    w._render_dirty()
+    assert f"[‹](msg:branch:{old.id}) 2/2 ›" in w.view.shown_markdown
+    assert "2/2" in w.view.toPlainText()
+    w.view.anchorClicked.emit(QUrl(f"msg:branch:{old.id}"))
+    assert w.store.messages(sid)[-1].id == old.id
     w.view.anchorClicked.emit(QUrl(f"msg:copy:{first.id}"))
     assert QGuiApplication.clipboard().text() == first.content
+    close_window(w)
+
+
+def test_continue_extends_a_reply_cut_at_its_token_limit(qtbot, env: Path) -> None:
+    from PySide6.QtCore import QUrl
+
+    w = open_window(qtbot, settings_for(env, max_tokens=6))
+    sid = w.new_session("chat")
+    w.send("Tell me about rivers.", session_id=sid)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    cut = w.store.messages(sid)[-1]
+    assert cut.data["stats"]["reason"] == "length" and cut.completion_tokens == 6
+    w._render_dirty()
+    assert f"msg:continue:{cut.id}" in w.view.shown_markdown
+    w.view.anchorClicked.emit(QUrl(f"msg:continue:{cut.id}"))
+    assert w.controller.is_busy(sid)
+    history = w.controller.replies[sid].history
+    assert history[-1] == {"role": "assistant", "content": cut.content}
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    stored = w.store.messages(sid)
+    assert len(stored) == 2 and stored[-1].id == cut.id  # the same reply, longer
+    done = stored[-1]
+    # What the engine writes on from inside the reply's turn, asked for directly.
+    q: queue.Queue = queue.Queue()
+    w.bridge.service.submit(
+        Submit(
+            "ref",
+            SamplingParams(temperature=0.0, max_tokens=6),
+            messages=history,
+            continue_final=True,
+        ),
+        q.put,
+    )
+    ev = q.get(timeout=60)
+    while not isinstance(ev, Finished):
+        ev = q.get(timeout=60)
+    assert ev.text and done.content == cut.content + ev.text
+    assert done.completion_tokens == 6 + ev.completion_tokens
+    assert done.data["stats"]["tokens"] == done.completion_tokens
+    close_window(w)
+
+
+def test_edit_and_resend_starts_a_branch_and_the_old_one_stays(qtbot, env: Path) -> None:
+    from PySide6.QtCore import QUrl
+
+    w = open_window(qtbot, settings_for(env, max_tokens=4))
+    sid = w.new_session("chat")
+    for text in ("first question", "second question"):
+        w.send(text, session_id=sid)
+        qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    old = w.store.messages(sid)
+    w._render_dirty()
+    assert f"msg:edit:{old[2].id}" in w.view.shown_markdown
+    w.view.anchorClicked.emit(QUrl(f"msg:edit:{old[0].id}"))
+    assert w.input.toPlainText() == "first question" and w.edit_note.isVisible()
+    qtbot.keyClick(w.input, Qt.Key.Key_Escape)  # Esc cancels the edit
+    assert not w.edit_note.isVisible() and not w.input.toPlainText()
+    w.view.anchorClicked.emit(QUrl(f"msg:edit:{old[2].id}"))
+    w.input.setPlainText("second question, put better")
+    qtbot.keyClick(w.input, Qt.Key.Key_Return)
+    assert w.controller.is_busy(sid) and not w.edit_note.isVisible()
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    new = w.store.messages(sid)
+    assert [m.content for m in new[:3]] == ["first question", old[1].content, new[2].content]
+    assert new[2].content == "second question, put better"
+    assert new[2].branches == (old[2].id, new[2].id) and new[3].status == "done"
+    assert w.controller.replies == {}
+    w._render_dirty()
+    assert f"msg:branch:{old[2].id}" in w.view.shown_markdown and "2/2" in w.view.toPlainText()
+    w.view.anchorClicked.emit(QUrl(f"msg:branch:{old[2].id}"))  # back to the first version
+    w._render_dirty()
+    assert [m.id for m in w.store.messages(sid)] == [m.id for m in old]
+    assert "second question, put better" not in w.view.toPlainText()
+    assert "1/2" in w.view.toPlainText()
+    ARTIFACTS.mkdir(exist_ok=True)
+    w.view.anchorClicked.emit(QUrl(f"msg:edit:{old[0].id}"))  # the edit state, for a look
+    w.grab().save(str(ARTIFACTS / "chat-branches.png"))
+    close_window(w)
+
+
+def test_a_deleted_message_can_be_undone_and_is_gone_once_the_undo_runs_out(
+    qtbot, env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PySide6.QtCore import QUrl
+
+    monkeypatch.setattr("app.main_window.UNDO_MS", 800)  # 10 s in use
+    w = open_window(qtbot, settings_for(env, max_tokens=4))
+    sid = w.new_session("chat")
+    for text in ("first question", "second question"):
+        w.send(text, session_id=sid)
+        qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    q1, a1, q2, a2 = w.store.messages(sid)
+    w._render_dirty()
+    assert f"msg:delete:{q1.id}" in w.view.shown_markdown
+    w.view.anchorClicked.emit(QUrl(f"msg:delete:{a2.id}"))
+    w._render_dirty()
+    assert w.undo_button.isVisible() and "the reply" in w.undo_button.text()
+    assert a2.content not in w.view.toPlainText() and q2.content in w.view.toPlainText()
+    w.undo_button.click()  # back where it was
+    w._render_dirty()
+    assert [m["id"] for m in w.controller.shown(sid)] == [q1.id, a1.id, q2.id, a2.id]
+    w.view.anchorClicked.emit(QUrl(f"msg:delete:{a2.id}"))
+    qtbot.waitUntil(lambda: not w.undo_button.isVisible(), timeout=5_000)
+    assert [m.id for m in w.store.messages(sid)] == [q1.id, a1.id, q2.id]  # gone for good
+    # A reply started while a deletion can still be undone reads the chat without it.
+    w.view.anchorClicked.emit(QUrl(f"msg:delete:{q1.id}"))
+    w.send("third question", session_id=sid)
+    assert not w.undo_button.isVisible()
+    history = w.controller.replies[sid].history
+    assert [m["content"] for m in history][:2] == [a1.content, q2.content]
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    assert q1.id not in [m.id for m in w.store.messages(sid)]
     close_window(w)
 
 

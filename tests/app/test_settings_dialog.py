@@ -1,4 +1,5 @@
-"""Settings say what an expert cache size costs for the chosen model, in MiB."""
+"""Settings say what an expert cache size costs for the chosen model, in MiB, and keep
+each model's own settings."""
 
 from __future__ import annotations
 
@@ -29,3 +30,36 @@ def test_the_cache_size_is_shown_in_mib_for_the_chosen_model(qtbot, tiny_chat_mo
     assert "not a size" in dialog.cache_cost.text()
     dialog.model.setCurrentIndex(dialog.model.findData(""))  # the demo MoE: not in entries
     assert dialog.cache_cost.text() == ""
+
+
+def test_each_model_keeps_its_own_settings_and_gets_them_back_when_loaded(
+    qtbot, env: Path, monkeypatch
+) -> None:
+    from app.main_window import MainWindow
+    from app.settings import PROFILES_KEY
+    from app.store import Store
+
+    other = str(env.parent / "other.gguf")  # a second model: only its name matters here
+    store = Store()
+    w = MainWindow(store)
+    qtbot.addWidget(w)
+    loads: list[dict] = []  # what each engine load would use (loading is tested elsewhere)
+    monkeypatch.setattr(w, "start_engine", lambda: loads.append(dict(w.settings)))
+    mine = {"cache": "25%", "policy": "sync", "storage": "host", "context_overflow": "error"}
+    w.apply_settings({**w.settings, "model": str(env), **mine})
+    w.use_model(other)  # never set up: it loads with the settings as they are
+    assert loads[-1]["model"] == other and loads[-1]["cache"] == "25%"
+    w.apply_settings({**w.settings, "cache": "60%", "policy": "bevy"})
+    w.use_model(str(env))
+    assert {k: loads[-1][k] for k in mine} == mine  # its own again, not the other's
+    assert store.get_setting(PROFILES_KEY)[other]["cache"] == "60%"
+    assert w.controller.settings["context_overflow"] == "error"  # chats use it from now
+    dialog = w.open_settings()
+    assert dialog.cache.text() == "25%" and dialog.overflow.currentData() == "error"
+    dialog.model.addItem(other, other)
+    dialog.model.setCurrentIndex(dialog.model.findData(other))  # its settings come up
+    assert dialog.cache.text() == "60%" and dialog.policy.currentText() == "bevy"
+    assert dialog.storage.currentText() == "host"  # kept for it when it was set
+    dialog.reject()
+    w.close()
+    store.close()

@@ -299,3 +299,93 @@ def test_exports_markdown_and_json(store: Store) -> None:
         ("user", "A quick recipe?", "done"),
         ("assistant", "Boil water, then", "streaming"),
     ]
+
+
+def test_a_version_2_database_opens_with_each_session_as_one_branch(tmp_path: Path) -> None:
+    from app.store import MIGRATIONS
+
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    for script in MIGRATIONS[:2]:  # the database as Bevy with schema 2 left it
+        conn.executescript(script)
+    conn.execute("PRAGMA user_version = 2")
+    for sid in (1, 2):
+        conn.execute(
+            "INSERT INTO sessions (id, title, kind, created, updated) VALUES (?, 't', 'chat', 0, 0)",
+            [sid],
+        )
+    for i, sid in enumerate([1, 2, 1, 1, 2]):  # two sessions' messages interleaved
+        role = "user" if i % 2 == 0 else "assistant"
+        conn.execute(
+            "INSERT INTO messages (session_id, role, content, status, created) "
+            "VALUES (?, ?, ?, 'done', 0)",
+            [sid, role, f"m{i}"],
+        )
+    conn.commit()
+    conn.close()
+    with Store(path, background_flush=False) as s:
+        assert s.schema_version == SCHEMA_VERSION
+        assert [m.content for m in s.messages(1)] == ["m0", "m2", "m3"]
+        assert [m.content for m in s.messages(2)] == ["m1", "m4"]
+        assert all(not m.branches for m in s.messages(1))
+        s.add_message(1, "user", "next")  # follows the last message, as before
+        assert [m.content for m in s.messages(1)][-2:] == ["m3", "next"]
+
+
+def test_rewinding_starts_a_branch_and_the_old_one_stays_reachable(store: Store) -> None:
+    sid = store.create_session().id
+    q1 = store.add_message(sid, "user", "q1")
+    a1 = store.add_message(sid, "assistant", "a1")
+    q2 = store.add_message(sid, "user", "q2")
+    a2 = store.add_message(sid, "assistant", "a2")
+    store.rewind(sid, q2.id)  # edit q2: the next message is its alternative
+    assert [m.id for m in store.messages(sid)] == [q1.id, a1.id]
+    q2b = store.add_message(sid, "user", "q2, edited")
+    a2b = store.add_message(sid, "assistant", "a2b")
+    shown = store.messages(sid)
+    assert [m.content for m in shown] == ["q1", "a1", "q2, edited", "a2b"]
+    assert shown[2].branches == (q2.id, q2b.id) and shown[3].branches == ()
+    assert [m["content"] for m in store.history(sid)] == ["q1", "a1", "q2, edited", "a2b"]
+    store.switch_branch(sid, q2.id)  # back to the old question and its answer
+    assert [m.id for m in store.messages(sid)] == [q1.id, a1.id, q2.id, a2.id]
+    store.rewind(sid, a2.id)  # regenerate a2: a second answer to q2
+    a2c = store.add_message(sid, "assistant", "a2c")
+    assert store.messages(sid)[-1].branches == (a2.id, a2c.id)
+    store.switch_branch(sid, q2b.id)
+    assert store.messages(sid)[-1].id == a2b.id  # down to the end of that branch
+    with pytest.raises(StoreError):
+        store.switch_branch(sid, 10_000)
+    assert "q2, edited" in store.export_markdown(sid) and "a2c" not in store.export_markdown(sid)
+
+
+def test_deleting_a_message_keeps_what_followed_it_on_the_branch(store: Store) -> None:
+    sid = store.create_session().id
+    q = store.add_message(sid, "user", "q")
+    a = store.add_message(sid, "assistant", "a")
+    q2 = store.add_message(sid, "user", "q2")
+    store.delete_message(a.id)
+    assert [m.id for m in store.messages(sid)] == [q.id, q2.id]
+    store.delete_message(q2.id)  # the shown end: the branch now ends at its parent
+    assert [m.id for m in store.messages(sid)] == [q.id]
+    assert store.add_message(sid, "assistant", "b").parent_id == q.id
+    with pytest.raises(StoreError):
+        store.delete_message(10_000)
+
+
+def test_a_reopened_reply_streams_on_from_its_text(tmp_path: Path, clock: Clock) -> None:
+    path = tmp_path / "bevy.db"
+    with Store(path, clock=clock, background_flush=False) as s:
+        sid = s.create_session().id
+        s.add_message(sid, "user", "q")
+        m = s.add_message(sid, "assistant", "cut at", status="streaming")
+        s.finish_message(m.id, "cut at", "done", completion_tokens=2)
+        s.reopen_message(m.id)
+        assert s.messages(sid)[-1].status == "streaming"
+        clock.t += 2  # past the coalescing interval: written at once
+        s.update_message(m.id, "cut at the limit", 4)
+        assert _on_disk(path, m.id) == ("cut at the limit", "streaming")
+    with Store(path, clock=clock, background_flush=False) as s:  # a crash mid-continue
+        assert (s.messages(sid)[-1].content, s.messages(sid)[-1].status) == (
+            "cut at the limit",
+            "interrupted",
+        )

@@ -31,6 +31,13 @@ def bevy(*args: str, **kw) -> subprocess.Popen:
 def serving(model: Path, logs: Path, *args: str) -> Iterator[str]:
     """``bevy serve --model model *args`` on a free port until the block ends; yields
     its base URL once it answers and has announced itself. Its output goes to ``logs``."""
+    with server_process(model, logs, *args) as (url, _proc):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(model: Path, logs: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``serving``, yielding the process too (for tests that kill it)."""
     port = free_port()
     out, err = logs / "stdout.txt", logs / "stderr.txt"
     with out.open("w") as o, err.open("w") as e:
@@ -50,7 +57,7 @@ def serving(model: Path, logs: Path, *args: str) -> Iterator[str]:
         while f"{url}/v1" not in out.read_text():
             assert time.monotonic() < deadline, f"no announcement: {out.read_text()!r}"
             time.sleep(0.05)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:

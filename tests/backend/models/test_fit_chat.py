@@ -103,3 +103,23 @@ def test_the_fewest_turns_go_at_every_limit(model, policy) -> None:
         else:
             assert dropped == fewest and len(ids) <= limit, (limit, dropped, fewest)
             assert ids == chat_prompt_ids(model, messages[:head] + messages[head + fewest :])
+
+
+def test_a_continued_reply_ends_the_prompt_inside_its_turn(model) -> None:
+    tok = model.tokenizer
+    question = [{"role": "user", "content": "Name three rivers."}]
+    opened = tok.decode(chat_prompt_ids(model, question))  # the reply's turn just opened
+    reply = {"role": "assistant", "content": "The Nile, the"}
+    ids = chat_prompt_ids(model, [*question, reply], continue_final=True)
+    assert tok.decode(ids) == opened + "The Nile, the"  # no end of turn, no new turn
+    closed = tok.decode(chat_prompt_ids(model, [*question, reply]))
+    assert closed.startswith(opened + "The Nile, the") and len(closed) > len(tok.decode(ids))
+    with pytest.raises(BevyError, match="only a reply with text"):
+        chat_prompt_ids(model, question, continue_final=True)
+    # Fitting to a context never drops the reply being continued (nor its question).
+    long = [*chat(6)[:-1], {"role": "user", "content": "last"}, reply]
+    full = len(chat_prompt_ids(model, long, continue_final=True))
+    fitted, dropped = fit_chat(model, long, None, full // 2, "rolling", continue_final=True)
+    kept = [long[0], *long[1 + dropped :]]
+    assert dropped > 0 and fitted == chat_prompt_ids(model, kept, continue_final=True)
+    assert kept[-2:] == long[-2:]

@@ -538,3 +538,31 @@ def test_context_overflow_extension_leaves_old_turns_out(client: openai.OpenAI) 
     r = _chat(client, messages=history, extra_body={"context_overflow": "rolling"})
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens < 8192
+
+
+def test_a_chat_ending_in_a_reply_is_continued_as_llama_cpp_and_vllm_do(
+    client: openai.OpenAI,
+) -> None:
+    question = [{"role": "user", "content": PROMPT}]
+    partial = [*question, {"role": "assistant", "content": "Rivers: the"}]
+    fresh = _chat(client, messages=question).usage.prompt_tokens
+    continued = _chat(client, messages=partial)  # the reply goes on inside its turn
+    closed = _chat(client, messages=partial, extra_body={"continue_final_message": False})
+    # The continued prompt is the open turn and the reply's text; closing it and opening
+    # another turn takes more tokens.
+    assert fresh < continued.usage.prompt_tokens < closed.usage.prompt_tokens
+    assert continued.choices[0].message.content
+    explicit = _chat(
+        client,
+        messages=partial,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert explicit.usage.prompt_tokens == continued.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        _chat(
+            client,
+            messages=partial,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True},
+        )
+    with pytest.raises(openai.BadRequestError, match="only a reply with text"):
+        _chat(client, messages=question, extra_body={"continue_final_message": True})
