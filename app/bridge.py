@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
@@ -40,6 +41,9 @@ class Bridge(QObject):
     compare_progress = Signal(int, int)  # steps done, steps in all
     api_changed = Signal(str)  # URL being served, or "" when stopped
     api_error = Signal(str)  # the API could not start after a load (port in use, ...)
+    # A watched remote engine (watch_remote): its name, its MetricsSnapshot or None, and
+    # whether it reports one at all (False: not a Bevy server, or unreachable now).
+    remote_metrics = Signal(str, object, bool)
 
     _event = Signal(object)  # from the dispatcher thread; queued to the GUI thread
     _snapshot = Signal(object)  # likewise: the throttle's timer lives on the GUI thread
@@ -50,6 +54,7 @@ class Bridge(QObject):
     _compared = Signal(object, str)
     _compare_step = Signal(int, int)
     _logged = Signal(str)
+    _remote_snap = Signal(int, str, object, bool)  # watch generation, then as remote_metrics
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -83,6 +88,9 @@ class Bridge(QObject):
         # request in flight went to, so an abort reaches it.
         self._remotes: dict[str, api.RemoteService] = {}
         self._remote_ids: dict[str, api.RemoteService] = {}
+        self._watching: tuple[api.Endpoint, threading.Event] | None = None
+        self._watch_generation = 0
+        self._remote_snap.connect(self._on_remote_snap)
 
     # --- engine lifetime ----------------------------------------------------------------
 
@@ -194,6 +202,7 @@ class Bridge(QObject):
     def shutdown(self) -> None:
         """Stop everything (app exit). A model still loading is closed by its worker."""
         self._closing = True
+        self.watch_remote(None)
         for rid, remote in list(self._remote_ids.items()):
             remote.abort(rid)  # remote servers stop generating for a closed app
         self._stop_api_server()
@@ -250,6 +259,34 @@ class Bridge(QObject):
         msg = Submit(rid, params, messages=messages, continue_final=continue_final)
         service.submit(msg, self._event.emit)
         return rid
+
+    def watch_remote(self, engine: api.Endpoint | None, every_s: float = 0.25) -> None:
+        """Poll ``engine``'s ``/v1/stats`` for the panels on a worker thread, until another
+        engine is watched (None: none). Results come as ``remote_metrics``."""
+        if self._watching is not None:
+            if self._watching[0] == engine:
+                return
+            self._watching[1].set()
+        self._watching = None
+        self._watch_generation += 1
+        if engine is None:
+            return
+        stop, generation = threading.Event(), self._watch_generation
+        self._watching = (engine, stop)
+
+        def work() -> None:
+            while not stop.is_set():
+                stats = api.server_stats(engine, snapshot=True)
+                data = (stats or {}).get("snapshot")
+                snap = api.snapshot_from_json(data, time.perf_counter()) if data else None
+                self._remote_snap.emit(generation, engine.name, snap, stats is not None)
+                stop.wait(every_s)
+
+        threading.Thread(target=work, name="bevy-remote-stats", daemon=True).start()
+
+    def _on_remote_snap(self, generation: int, name: str, snap: object, reports: bool) -> None:
+        if generation == self._watch_generation:  # not from an engine watched before
+            self.remote_metrics.emit(name, snap, reports)
 
     def abort(self, request_id: str) -> None:
         remote = self._remote_ids.get(request_id)

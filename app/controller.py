@@ -112,6 +112,15 @@ class ChatController(QObject):
         its agent is working."""
         return session_id in self.replies or self.agents.busy(session_id)
 
+    def remote_tokens(self, engine: str) -> dict[str, tuple[str, int]]:
+        """The replies in flight on remote engine ``engine``: request id -> (session
+        title, tokens so far), for throughput measured on this side."""
+        return {
+            r.request_id: (self.store.session(r.session_id).title, r.tokens)
+            for r in self.replies.values()
+            if r.engine is not None and r.engine.name == engine and r.request_id
+        }
+
     def busy_sessions(self) -> list[int]:
         """The sessions with a reply in progress or an agent working."""
         return [*self.replies, *self.agents.runs]

@@ -42,6 +42,7 @@ from app.dialogs.session import SessionSettingsDialog
 from app.dialogs.settings import SettingsDialog
 from app.engines import load_engines, save_engines
 from app.panels import CachePanel, OverlapPanel, ProgressPanel, ThroughputPanel
+from app.panels.feed import PanelFeed
 from app.settings import ENGINE_KEYS, PROFILES_KEY, engine_config, merged, profile, with_profile
 from app.store import Store
 from app.widgets.chat import ApprovalBar, ConversationView, InputBox
@@ -51,7 +52,6 @@ from backend import api
 from backend.api import MetricsSnapshot
 
 RENDER_INTERVAL_MS = 66  # a streaming reply re-renders at most ~15 times a second
-PANEL_STAGGER_MS = 20
 
 
 UNDO_MS = 10_000  # how long a deleted session can be brought back
@@ -145,6 +145,8 @@ class MainWindow(QMainWindow):
             dock.setWidget(self.panels[name])
             self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
             self.docks[name] = dock
+        # Which engine they draw: this computer's, or the shown session's remote one.
+        self.feed = PanelFeed(self.panels, self.docks, self.controller.remote_tokens, self)
         docks = list(self.docks.values())
         self.resizeDocks(docks, [640] * 4, Qt.Orientation.Horizontal)
         self.resizeDocks(docks, [190, 210, 230, 190], Qt.Orientation.Vertical)
@@ -195,6 +197,7 @@ class MainWindow(QMainWindow):
         stop.setContext(Qt.ShortcutContext.WindowShortcut)
         stop.activated.connect(self.stop_current)
         self.bridge.metrics.connect(self._on_metrics)
+        self.bridge.remote_metrics.connect(self.feed.remote)
         self.bridge.state_changed.connect(self._on_state)
         self.bridge.load_progress.connect(self._on_load_progress)
         self.bridge.api_changed.connect(self._on_api)
@@ -335,18 +338,9 @@ class MainWindow(QMainWindow):
             )
 
     def _on_metrics(self, snap: MetricsSnapshot) -> None:
-        # Panels take turns, PANEL_STAGGER_MS apart: redrawing all four plots in one paint
-        # pass holds the GUI thread long enough to delay streaming replies; one at a time
-        # each pass stays short. Each panel still refreshes at the throttle's rate, with the
-        # newest snapshot.
         self._latest = snap
         self._update_status(snap)
-        for i, panel in enumerate(self.panels.values()):
-            QTimer.singleShot(i * PANEL_STAGGER_MS, self, lambda p=panel: self._feed(p))
-
-    def _feed(self, panel: OverlapPanel | CachePanel | ProgressPanel | ThroughputPanel) -> None:
-        if self._latest is not None and panel.isVisible():
-            panel.update_snapshot(self._latest)
+        self.feed.local(snap)
 
     # --- sessions -----------------------------------------------------------------------
 
@@ -383,6 +377,9 @@ class MainWindow(QMainWindow):
         shown = self.controller.shown(session_id)
         self.view.regenerate = self.store.session(session_id).kind == "chat"
         self._update_title(session_id)
+        engine = self.controller.engine_of(session_id)
+        self.feed.show_engine(engine)  # the panels follow the session's engine
+        self.bridge.watch_remote(engine)
         self.view.show_messages(shown)
         self.stop_button.setEnabled(self.controller.is_busy(session_id))
         self._on_approval(session_id)
@@ -525,7 +522,8 @@ class MainWindow(QMainWindow):
 
         def save() -> None:
             self.controller.update_session(sid, *dialog.values())
-            self._update_title(sid)
+            if sid == self.current_id:
+                self.show_session(sid)  # the title and panels name its engine
 
         dialog.accepted.connect(save)
         dialog.open()  # not exec(): other sessions keep streaming while it is open
@@ -680,6 +678,8 @@ class MainWindow(QMainWindow):
                 save_engines(self.store, dialog.engines(), keys)
             except ValueError as exc:
                 self.show_error("The engines could not be saved", str(exc))
+            if self.current_id is not None:
+                self.show_session(self.current_id)  # its engine may have changed
 
         dialog.accepted.connect(save)
         dialog.open()

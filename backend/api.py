@@ -54,6 +54,7 @@ from backend.serving.remote import (
     RemoteError,
     RemoteService,
     server_stats,
+    snapshot_from_json,
 )
 from backend.serving.remote import list_models as remote_models
 
@@ -110,6 +111,7 @@ __all__ = [
     "remove_model",
     "run_cli",
     "server_stats",
+    "snapshot_from_json",
     "start_api_server",
     "system_prompt",
 ]

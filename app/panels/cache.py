@@ -146,6 +146,12 @@ class CachePanel(ThemedPanel):
         layout.addLayout(grid, 1)
         self._apply_theme(theme)
 
+    def reset(self) -> None:
+        """Forget the plotted hit rates (the panels now draw another engine)."""
+        self._history.clear()
+        self.hit_curve.setData([], [])
+        self.hit_rate_label.setText("hit rate –")
+
     @property
     def hit_rate_history(self) -> list[tuple[float, float]]:
         """``(t, hit_rate)`` pairs currently plotted, oldest first."""

@@ -217,6 +217,13 @@ class ThroughputPanel(ThemedPanel):
                 top = max(top, float(rates.max()))
         self.plot.getPlotItem().setYRange(0, top * 1.15, padding=0)
 
+    def reset(self) -> None:
+        """Forget the plotted history (the panels now draw another engine)."""
+        self._reset()
+        self._last_t = None
+        self.total_curve.setData([], [])
+        self.summary_label.setText("– tok/s")
+
     def _reset(self) -> None:
         self._total.clear()
         self._prev_tokens = None

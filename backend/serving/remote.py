@@ -251,7 +251,8 @@ def stream_chat(
                     _add_call(calls, tc)
                 if choice.finish_reason:
                     reason = choice.finish_reason
-    except (openai.OpenAIError, httpx.HTTPError) as exc:
+    # StreamError: the stream closed under the read (a stop, from the watcher thread).
+    except (openai.OpenAIError, httpx.HTTPError, httpx.StreamError) as exc:
         if not stop.is_set():
             err = explain(exc, endpoint)
             if err.kind in ("unreachable", "server"):

@@ -9,12 +9,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from PySide6.QtCore import Qt
 
 from app.engines import save_engines
 from app.main_window import MainWindow
 from app.store import Store
 from backend.api import Endpoint
-from tests.app.test_app import close_window, open_window, reference_replies, settings_for
+from tests.app.test_app import ARTIFACTS, close_window, open_window, reference_replies, settings_for
 from tests.helpers.serve import server_process
 
 KEY = "lab-key"
@@ -134,3 +135,64 @@ def test_an_agent_session_runs_its_loop_on_a_remote_engine(
     roles = [m.role for m in w.store.messages(sid)]
     assert roles[0] == "user" and "assistant" in roles
     close_window(w)
+
+
+def test_the_panels_draw_the_shown_sessions_engine(qtbot, env: Path, remote: str) -> None:
+    w = bare_window(qtbot)  # no local engine: whatever the panels draw came from the remote
+    far = on_engine(w, remote)
+    w.controller.update_session(far, "", {"max_tokens": 24}, None, "lab")
+    w.show_session(far)  # as Session settings' OK does
+    assert w.docks["Cache"].windowTitle() == "Cache — lab"
+    w.send("Tell me about rivers.", session_id=far)
+    qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
+    qtbot.waitUntil(lambda: bool(w.panels["Cache"].hit_rate_history), timeout=10_000)
+    assert w.feed.reports and not w.feed.notes["Cache"].isVisible()
+    # An engine that reports nothing (here: it refuses the key to its stats too).
+    closed = on_engine(w, remote, key="wrong", name="closed")
+    w.show_session(closed)
+    qtbot.waitUntil(lambda: w.feed.notes["Overlap"].isVisible(), timeout=10_000)
+    assert "closed does not report this" in w.feed.notes["Overlap"].text()
+    assert w.panels["Throughput"].isVisible()  # measured here instead, from nothing yet
+    summary = w.panels["Throughput"].summary_label
+    qtbot.waitUntil(lambda: "· 0 tokens generated" in summary.text(), timeout=5_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    w.grab().save(str(ARTIFACTS / "remote_panels.png"))
+    home = w.new_session("chat")  # a local session: this computer's panels again
+    w.sessions.select(home)
+    assert w.docks["Cache"].windowTitle() == "Cache" and w.panels["Cache"].isVisible()
+    assert not w.panels["Cache"].hit_rate_history  # the remote's history is not mixed in
+    close_window(w)
+
+
+def test_throughput_of_a_server_that_reports_nothing_is_measured_here(qtbot) -> None:
+    """PanelFeed alone, given token counts as the controller would report them."""
+    from PySide6.QtWidgets import QDockWidget, QMainWindow
+
+    from app.panels import CachePanel, OverlapPanel, ProgressPanel, ThroughputPanel
+    from app.panels.feed import PanelFeed
+
+    window = QMainWindow()
+    qtbot.addWidget(window)
+    panels = {
+        "Overlap": OverlapPanel(),
+        "Layer progress": ProgressPanel(),
+        "Cache": CachePanel(),
+        "Throughput": ThroughputPanel(),
+    }
+    docks = {}
+    for name in panels:
+        docks[name] = QDockWidget(name, window)
+        window.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, docks[name])
+    counts = {"r1": ("rivers", 0)}
+    feed = PanelFeed(panels, docks, lambda engine: dict(counts), window)
+    window.show()
+    feed.show_engine(Endpoint("vllm-box", "http://gpu:8000/v1", "qwen"))
+    feed.remote("vllm-box", None, False)  # what the bridge says of a non-Bevy server
+    assert not feed.reports and feed.notes["Layer progress"].isVisible()
+    for n in (0, 10, 25, 40):
+        counts["r1"] = ("rivers", n)
+        feed._client_tick()
+        qtbot.wait(60)
+    text = panels["Throughput"].summary_label.text()
+    assert "40 tokens generated" in text and not text.startswith("0.0")
+    assert panels["Throughput"].session_rates()["rivers"] > 0

@@ -125,16 +125,20 @@ def test_tool_calls_come_back_whole(endpoint: Endpoint) -> None:
     assert set(json.loads(call["function"]["arguments"])) == {"city", "unit"}
 
 
-def test_a_server_that_dies_mid_reply_fails_it_and_the_text_is_kept(
+def test_a_busy_server_says_so_and_one_that_dies_mid_reply_keeps_the_text(
     tiny_chat_moe: Path, tmp_path: Path
 ) -> None:
-    with server_process(tiny_chat_moe, tmp_path) as (url, proc):
-        service = RemoteService(Endpoint("doomed", url, MODEL))
+    with server_process(tiny_chat_moe, tmp_path, "--max-queue", "1") as (url, proc):
+        endpoint = Endpoint("doomed", url, MODEL)
+        service = RemoteService(endpoint)
         got: queue.Queue = queue.Queue()
         params = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
         service.submit(Submit("r2", params, messages=CHAT), got.put)
         first = got.get(timeout=60)
         assert isinstance(first, TokenEvent)
+        with pytest.raises(RemoteError, match="is busy") as exc:  # its one place is taken
+            stream_chat(endpoint, CHAT, {"max_tokens": 4}, lambda t: None, threading.Event())
+        assert exc.value.kind == "busy"
         proc.kill()
         events = [first]
         while not isinstance(events[-1], Finished | ErrorEvent):
