@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, Signal
 
@@ -281,8 +281,11 @@ class ChatController(QObject):
     def _can_reply(self, session_id: int) -> bool:
         """Whether a reply could start now (a model loaded or loading, or a remote engine;
         valid sampling settings); the notice says why not."""
-        remote = bool(self.store.session(session_id).engine)
-        if not remote and not self.bridge.ready and self.bridge.state != "loading":
+        name = self.store.session(session_id).engine
+        if name and self.engine_of(session_id) is None:
+            self.notice.emit(f"The engine “{name}” is not set up any more: see Session settings.")
+            return False
+        if not name and not self.bridge.ready and self.bridge.state != "loading":
             self.notice.emit("No model is loaded: open Model → Settings.")
             return False
         try:
@@ -507,6 +510,9 @@ class ChatController(QObject):
         if reply is None:
             return
         status = {"abort": "stopped", "error": "error"}.get(ev.reason, "done")
+        if not ev.completion_tokens and reply.tokens:
+            # A remote stream stopped, or a server that reports no usage: what came here.
+            ev = replace(ev, completion_tokens=reply.tokens)
         data = {"stats": self._reply_stats(reply, ev)}
         if ev.dropped_messages:  # the view says where the model's view of the chat began
             data["dropped"] = ev.dropped_messages

@@ -32,7 +32,10 @@ class KeyStore:
     @staticmethod
     def _usable_keyring():
         """The keyring module when its backend really stores secrets here; None when it
-        has none (a headless machine without Secret Service) or it fails on use."""
+        has none (a headless machine without Secret Service), fails on use, or
+        ``BEVY_KEYRING=off`` asks for the file (tests, and users who want no keyring)."""
+        if os.environ.get("BEVY_KEYRING", "").lower() == "off":
+            return None
         try:
             import keyring
             from keyring.errors import KeyringError

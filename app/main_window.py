@@ -94,6 +94,7 @@ class MainWindow(QMainWindow):
         self.edit_note.setWordWrap(True)
         self.edit_note.hide()
         self._editing: tuple[int, int] | None = None  # session id, message id
+        self._draft = ""  # what the input held when the edit began
         center = QWidget()
         row = QHBoxLayout()
         row.addWidget(self.title_label, 1)
@@ -428,6 +429,8 @@ class MainWindow(QMainWindow):
     def delete_session(self, session_id: int) -> None:
         """Take the session out of the list and stop its reply; it is deleted for good
         after ``UNDO_MS`` unless Undo (in the status bar) brings it back."""
+        if self._editing and self._editing[0] == session_id:
+            self.cancel_edit()
         self.commit_delete()  # one still waiting for its undo goes now
         session = self.store.session(session_id)
         self.controller.stop(session_id)
@@ -547,6 +550,12 @@ class MainWindow(QMainWindow):
         if not busy:
             self._settle_message(sid)
         editing = self._editing
+        if editing and editing[0] == sid and not self._edited_shown(sid, editing[1]):
+            self.cancel_edit(restore=False)  # the message left the view (branch, delete)
+            self.statusBar().showMessage(
+                "The message being edited is no longer shown: this went as a new message", 6000
+            )
+            editing = None
         if editing and editing[0] == sid:
             if self.controller.edit_and_resend(sid, editing[1], text):
                 self.cancel_edit()
@@ -582,10 +591,16 @@ class MainWindow(QMainWindow):
             }[action]
             start(sid, message_id)  # refusals say why (the controller's notice)
 
+    def _edited_shown(self, session_id: int, message_id: int) -> bool:
+        return any(m.get("id") == message_id for m in self.controller.shown(session_id))
+
     def _start_edit(self, session_id: int, message_id: int) -> None:
-        """Put one of the user's messages back in the input box; Enter sends it anew."""
+        """Put one of the user's messages back in the input box; Enter sends it anew. What
+        was typed there comes back when the edit ends."""
         for m in self.controller.shown(session_id):
             if m.get("id") == message_id:
+                if self._editing is None:
+                    self._draft = self.input.toPlainText()
                 self._editing = (session_id, message_id)
                 self.input.setPlainText(m.get("content") or "")
                 self.input.setFocus()
@@ -595,10 +610,13 @@ class MainWindow(QMainWindow):
                 )
                 self.edit_note.show()
 
-    def cancel_edit(self) -> None:
+    def cancel_edit(self, restore: bool = True) -> None:
+        """End editing; ``restore``: the draft typed before it goes back in the input."""
         if self._editing is not None:
             self._editing = None
-            self.input.clear()
+            if restore:
+                self.input.setPlainText(self._draft)
+            self._draft = ""
             self.edit_note.hide()
 
     def stop_current(self) -> None:
@@ -678,6 +696,9 @@ class MainWindow(QMainWindow):
                 save_engines(self.store, dialog.engines(), keys)
             except ValueError as exc:
                 self.show_error("The engines could not be saved", str(exc))
+                return
+            for old, new in dialog.renames().items():
+                self.store.rename_engine(old, new)
             if self.current_id is not None:
                 self.show_session(self.current_id)  # its engine may have changed
 

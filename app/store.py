@@ -354,8 +354,9 @@ class Store:
             raise StoreError(f"no session {session_id}")
 
     def delete_message(self, message_id: int) -> None:
-        """Delete one message; what followed it follows its parent, and a session shown up
-        to it is shown up to its parent."""
+        """Delete one message; what followed it follows its parent. A session shown up to
+        it shows its newest alternative's branch instead (a reply generated again), else
+        ends at its parent."""
         with self._lock:
             row = self.db.execute(
                 "SELECT session_id, parent_id FROM messages WHERE id = ?", [message_id]
@@ -368,11 +369,21 @@ class Store:
                 self.db.execute(
                     "UPDATE messages SET parent_id = ? WHERE parent_id = ?", [parent, message_id]
                 )
-                self.db.execute(
-                    "UPDATE sessions SET head = ? WHERE id = ? AND head = ?",
-                    [parent, sid, message_id],
-                )
                 self.db.execute("DELETE FROM messages WHERE id = ?", [message_id])
+                head = self.db.execute("SELECT head FROM sessions WHERE id = ?", [sid]).fetchone()
+                if head is not None and head[0] == message_id:
+                    sibling = self.db.execute(
+                        "SELECT MAX(id) FROM messages WHERE session_id = ? AND parent_id IS ?",
+                        [sid, parent],
+                    ).fetchone()[0]
+                    self.db.execute("UPDATE sessions SET head = ? WHERE id = ?", [parent, sid])
+                    if sibling is not None:
+                        self.switch_branch(sid, sibling)
+
+    def rename_engine(self, old: str, new: str) -> None:
+        """Sessions on remote engine ``old`` are on ``new`` (the engine was renamed)."""
+        with self._lock:
+            self.db.execute("UPDATE sessions SET engine = ? WHERE engine = ?", [new, old])
 
     def rewind(self, session_id: int, message_id: int) -> None:
         """Show the session up to the message before ``message_id``: the next message added

@@ -51,6 +51,7 @@ class EnginesDialog(QDialog):
         self.setWindowTitle("Engines")
         self.resize(720, 420)
         self._engines = list(engines)
+        self._origins: list[str | None] = [e.name for e in engines]  # None: added here
         self._fetch_no = 0
         self.list = QListWidget()
         self.list.currentRowChanged.connect(self._show)
@@ -116,6 +117,7 @@ class EnginesDialog(QDialog):
         taken = {e.name for e in self._engines}
         name = next(f"engine {i}" for i in range(1, len(taken) + 2) if f"engine {i}" not in taken)
         self._engines.append(Endpoint(name, "http://127.0.0.1:8000/v1"))
+        self._origins.append(None)
         self.list.addItem(name)
         self.list.setCurrentRow(len(self._engines) - 1)
         self.name.setFocus()
@@ -125,9 +127,12 @@ class EnginesDialog(QDialog):
         row = self.list.currentRow()
         if row >= 0:
             del self._engines[row]
+            del self._origins[row]
             self.list.takeItem(row)
 
     def _show(self, row: int) -> None:
+        self._fetch_no += 1  # models asked for another row's engine are not shown here
+        self.fetch_button.setEnabled(True)
         editing = 0 <= row < len(self._engines)
         for w in (self.name, self.url, self.key, self.model, self.fetch_button):
             w.setEnabled(editing)
@@ -173,6 +178,8 @@ class EnginesDialog(QDialog):
                 self._fetched.emit(number, api.remote_models(engine), "")
             except api.BevyError as exc:
                 self._fetched.emit(number, None, str(exc))
+            except Exception as exc:  # a URL the client cannot use, and the like
+                self._fetched.emit(number, None, f"{engine.api_base}: {exc}")
 
         threading.Thread(target=work, name="bevy-engine-models", daemon=True).start()
 
@@ -200,6 +207,14 @@ class EnginesDialog(QDialog):
 
     def engines(self) -> list[Endpoint]:
         return list(self._engines)
+
+    def renames(self) -> dict[str, str]:
+        """Old name -> new name of each engine renamed here (its sessions follow it)."""
+        return {
+            old: e.name
+            for old, e in zip(self._origins, self._engines, strict=True)
+            if old is not None and old != e.name
+        }
 
     def accept(self) -> None:
         names = [e.name for e in self._engines]

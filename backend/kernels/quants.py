@@ -15,6 +15,18 @@ dimension) is cut into fixed-size blocks laid out back to back, so the whole ten
   ``x = (d * scale) * q - (dmin * min)``.
 * ``Q5_K`` (256 values, 176 bytes): as Q4_K with ``qh: u8[32]`` before ``qs``; bit ``i`` of
   ``qh[l]`` is the fifth bit of value ``l`` of sub-block ``i``.
+* ``Q5_0`` (32 values, 22 bytes): ``d: f16``, ``qh: u32`` (bit ``i``: the fifth bit of value
+  ``i``), ``qs: u8[16]`` as in Q4_0; ``x = (q - 16) * d``.
+* ``Q5_1`` (32 values, 24 bytes): ``d: f16``, ``m: f16``, ``qh``, ``qs`` as Q5_0;
+  ``x = d * q + m``.
+* ``IQ4_NL`` (32 values, 18 bytes): ``d: f16``, ``qs: u8[16]`` as in Q4_0, each nibble an
+  index into a fixed table of 16 non-uniform levels; ``x = d * level``.
+* ``IQ4_XS`` (256 values, 136 bytes): ``d: f16``, ``scales_h: u16`` (2 bits per sub-block),
+  ``scales_l: u8[4]`` (a nibble per sub-block), ``qs: u8[128]``: eight 32-value sub-blocks
+  of 16 bytes (low nibbles, then high) indexing IQ4_NL's levels; a sub-block's scale is
+  ``(l | h << 4) - 32`` and ``x = (d * scale) * level``.
+* ``MXFP4`` (32 values, 17 bytes): ``e: u8`` (an E8M0 power of two, halved), ``qs: u8[16]``
+  as in Q4_0, each nibble an FP4 (E2M1) value, doubled; ``x = 2^(e-128) * value``.
 * ``Q6_K`` (256 values, 210 bytes): ``ql: u8[128]``, ``qh: u8[64]``, ``scales: int8[16]``,
   ``d: f16``. Each 128-value half uses 64 bytes of ``ql`` (low nibbles = values 0-63, high
   nibbles = 64-127) and 32 bytes of ``qh`` (bit pair ``2k`` = top bits of values
@@ -47,9 +59,14 @@ _SUPPORTED_ORDER: tuple[QType, ...] = (
     QType.Q8_0,
     QType.Q4_0,
     QType.Q4_1,
+    QType.Q5_0,
+    QType.Q5_1,
     QType.Q4_K,
     QType.Q5_K,
     QType.Q6_K,
+    QType.IQ4_NL,
+    QType.IQ4_XS,
+    QType.MXFP4,
 )
 SUPPORTED: frozenset[QType] = frozenset(_SUPPORTED_ORDER)
 
@@ -195,6 +212,80 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return out.view(n, 32).add_(m)
 
 
+def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """Q5_0/Q5_1's ``qh``: bit ``i`` of the 32-bit word at ``start``, as 16 or 0 for each of
+    the block's 32 values: uint8 [n_blocks, 32]."""
+    qh = _field(blocks, start, start + 4, torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=blocks.device).view(1, 32)
+    return (((qh >> shifts) & 1) << 4).to(torch.uint8)  # & 1 drops the sign bit's spread
+
+
+def _five_bit(blocks: torch.Tensor, qh_at: int) -> torch.Tensor:
+    """A Q5_0/Q5_1 block's 32 values 0..31: uint8 [n_blocks, 32]."""
+    q = _fifth_bits(blocks, qh_at)
+    qs = blocks[:, qh_at + 4 :]
+    q[:, :16].bitwise_or_(qs & 0x0F)
+    q[:, 16:].bitwise_or_(qs >> 4)
+    return q
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16_field(blocks, 0, 2)
+    # 0..31 fits int8, so recentring there is exact, as the reference does.
+    return _five_bit(blocks, 2).view(torch.int8).sub_(16).to(torch.float32).mul_(d)
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16_field(blocks, 0, 2)
+    m = _f16_field(blocks, 2, 4)
+    # Reference order: (d * q) + m, two roundings.
+    return _five_bit(blocks, 4).to(torch.float32).mul_(d).add_(m)
+
+
+# The levels IQ4_NL and IQ4_XS index, and MXFP4's E2M1 values doubled (the halved
+# exponent makes up for it), as llama.cpp defines them.
+_IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def _levels(table: tuple[int, ...], qs: torch.Tensor) -> torch.Tensor:
+    """[..., L] bytes -> float32 [..., 2, L]: ``table`` at each low nibble, then at each
+    high nibble."""
+    index = torch.empty((*qs.shape[:-1], 2, qs.shape[-1]), dtype=torch.int64, device=qs.device)
+    index.select(-2, 0).copy_(qs & 0x0F)
+    index.select(-2, 1).copy_(qs >> 4)
+    return torch.tensor(table, dtype=torch.float32, device=qs.device)[index]
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16_field(blocks, 0, 2)
+    return _levels(_IQ4_LEVELS, blocks[:, 2:]).view(n, 32).mul_(d)
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16_field(blocks, 0, 2)
+    high = _field(blocks, 2, 4, torch.int16).to(torch.int32)  # & 3 below drops the sign
+    shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=blocks.device).view(1, 8)
+    low = blocks[:, 4:8]
+    low = torch.stack([low & 0x0F, low >> 4], dim=-1).view(n, 8).to(torch.int32)
+    scale = (low | (((high >> shifts) & 0x03) << 4)) - 32
+    dl = (d * scale.to(torch.float32)).unsqueeze(-1)
+    values = _levels(_IQ4_LEVELS, blocks[:, 8:].view(n, 8, 16)).view(n, 8, 32)
+    return (dl * values).view(n, 256)
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    e = blocks[:, 0:1].to(torch.int32)
+    # E8M0, halved, as float32 bits: a normal power of two for e >= 2, below that the
+    # subnormals 2^-127 and 2^-128 (ggml_e8m0_to_fp32_half).
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    d = bits.view(torch.float32)
+    return _levels(_FP4_VALUES, blocks[:, 1:]).view(n, 32).mul_(d)
+
+
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     factors = _k_factors(blocks).unsqueeze(-1)
@@ -238,9 +329,14 @@ _DECODERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q8_0: _q8_0,
     QType.Q4_0: _q4_0,
     QType.Q4_1: _q4_1,
+    QType.Q5_0: _q5_0,
+    QType.Q5_1: _q5_1,
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,
+    QType.IQ4_NL: _iq4_nl,
+    QType.IQ4_XS: _iq4_xs,
+    QType.MXFP4: _mxfp4,
 }
 
 

@@ -48,6 +48,8 @@ def chat_prompt_ids(
     tok = model.tokenizer
     if tok is None:
         raise BevyError(f"{model.path}: the model has no tokenizer")
+    if continue_final:
+        messages = _marked_final(messages)
     text = render_chat(
         tok.chat_template or DEFAULT_TEMPLATE,
         messages,
@@ -57,27 +59,36 @@ def chat_prompt_ids(
         eos_token=tok.eos_token,
     )
     if continue_final:
-        text = _open_final(text, messages)
+        text = _open_final(text)
     ids = tok.encode(text, add_special=False)
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
         ids.insert(0, tok.bos_id)
     return ids
 
 
-def _open_final(text: str, messages: list[dict]) -> str:
-    """``text``, a rendered chat, cut just after its last message's text: whatever the
-    template writes to close the turn goes, so the model writes on from there. Templates
-    may trim a turn, so the trimmed text is what is looked for (as transformers does)."""
+# Written after a continued reply's text: the prompt is cut where the template put it, so
+# whatever closes the turn goes and the reply's own text (trailing newline included)
+# stays as it was. Not whitespace, so a template that trims the text keeps it.
+_CONTINUE_MARK = "\u2063bevy-continues-here\u2063"
+
+
+def _marked_final(messages: list[dict]) -> list[dict]:
     final = messages[-1] if messages else {}
     content = final.get("content")
     if final.get("role") != "assistant" or not isinstance(content, str) or not content.strip():
         raise BevyError("only a reply with text can be continued: the last message must be it")
-    at = text.rfind(content.strip())
+    return [*messages[:-1], {**final, "content": content + _CONTINUE_MARK}]
+
+
+def _open_final(text: str) -> str:
+    """``text``, a chat rendered by ``_marked_final``'s messages, cut where the reply's
+    text ends: the model writes on from there."""
+    at = text.rfind(_CONTINUE_MARK)
     if at < 0:
         raise BevyError(
             "this model's chat template changes a reply's text, so the reply cannot be continued"
         )
-    return text[: at + len(content.strip())]
+    return text[:at]
 
 
 OVERFLOW_POLICIES = ("error", "rolling", "truncate_middle")

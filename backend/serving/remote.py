@@ -16,6 +16,7 @@ as it starts, and a machine that only talks to remote engines never loads torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -40,6 +41,11 @@ CONNECT_TIMEOUT_S = 5.0
 # server's queue, sends nothing for a while).
 READ_TIMEOUT_S = 120.0
 Listener = Callable[[object], None]
+_IDS = itertools.count(1)
+# What a chat request may carry to any OpenAI-compatible server.
+GENERATION_KEYS = frozenset(
+    {"temperature", "top_p", "max_tokens", "stop", "seed", "top_k", "min_p", "repetition_penalty"}
+)
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,8 @@ def stream_chat(
     calls: dict[int, dict] = {}
     reason, usage = None, None
     done = threading.Event()
+    if stop.is_set():  # stopped before it was sent
+        return RemoteReply("", [], "abort")
     client = _client(endpoint)
     try:
         stream = client.chat.completions.create(
@@ -233,7 +241,7 @@ def stream_chat(
     def watch() -> None:  # a stop while the server sends nothing (queued, reading)
         while not done.wait(0.05):
             if stop.is_set():
-                stream.close()
+                _hang_up(stream)
                 return
 
     watcher = threading.Thread(target=watch, name="bevy-remote-stop", daemon=True)
@@ -278,6 +286,19 @@ def stream_chat(
     )
 
 
+def _hang_up(stream: Any) -> None:
+    """Close a stream from another thread. Closing alone does not wake a read blocked on
+    its socket (nor tell the server) until bytes come; shutting the socket down does."""
+    import socket
+
+    network = stream.response.extensions.get("network_stream")
+    sock = network.get_extra_info("socket") if network is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):  # already closed by the server
+            sock.shutdown(socket.SHUT_RDWR)
+    stream.close()
+
+
 def _add_call(calls: dict[int, dict], tc: Any) -> None:
     """Merge one streamed tool-call fragment (id and name once, then arguments)."""
     call = calls.setdefault(
@@ -300,12 +321,15 @@ class RemoteService:
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
-        self._ids = itertools.count(1)
         self._stops: dict[str, threading.Event] = {}
+        self._texts: dict[str, list[str]] = {}
+        self._listeners: dict[str, Listener] = {}
         self._lock = threading.Lock()
 
     def new_id(self, prefix: str = "remote") -> str:
-        return f"{prefix}-{self.endpoint.name}-{next(self._ids)}"
+        # One count for every service: an engine edited mid-reply gets a new service,
+        # whose ids must not be those of the old one's replies still streaming.
+        return f"{prefix}-{self.endpoint.name}-{next(_IDS)}"
 
     def submit(self, msg: Submit, listener: Listener) -> None:
         if msg.messages is None:
@@ -314,21 +338,47 @@ class RemoteService:
         stop = threading.Event()
         with self._lock:
             self._stops[msg.request_id] = stop
+            self._texts[msg.request_id] = []
+            self._listeners[msg.request_id] = listener
         threading.Thread(
             target=self._run, args=(msg, listener, stop), name="bevy-remote", daemon=True
         ).start()
 
     def abort(self, request_id: str) -> None:
+        """Stop a request: it ends now, as "abort" with the text that came; its stream is
+        hung up, so the server stops too, and whatever its thread hears later is dropped
+        (a server that is silent, queued or reading a long prompt, may be slow to notice)."""
         with self._lock:
-            stop = self._stops.get(request_id)
+            stop = self._stops.pop(request_id, None)
+            text = "".join(self._texts.pop(request_id, ()))
+            listener = self._listeners.pop(request_id, None)
         if stop is not None:
             stop.set()
+        if listener is not None:
+            listener(Finished(request_id, "abort", text, 0, 0))
 
     def busy(self) -> int:
         with self._lock:
             return len(self._stops)
 
     def _run(self, msg: Submit, listener: Listener, stop: threading.Event) -> None:
+        rid = msg.request_id
+
+        def tell(ev: object) -> None:  # nothing more once the request ended (an abort)
+            with self._lock:
+                live = rid in self._stops
+                if live and isinstance(ev, TokenEvent):
+                    self._texts[rid].append(ev.text)
+                if live and not isinstance(ev, TokenEvent):
+                    self._stops.pop(rid, None)
+                    self._texts.pop(rid, None)
+                    self._listeners.pop(rid, None)
+            if live:
+                listener(ev)
+
+        self._stream(msg, tell, stop)
+
+    def _stream(self, msg: Submit, listener: Listener, stop: threading.Event) -> None:
         p = msg.params
         sampling: dict[str, Any] = {
             "temperature": p.temperature,
@@ -362,6 +412,8 @@ class RemoteService:
         except Exception as exc:  # a bug here must still end the reply, not hang it
             listener(ErrorEvent(rid, f"{self.endpoint.name}: {exc}"))
         else:
+            if reply.finish_reason == "abort":
+                return  # abort() ended it already
             listener(
                 Finished(
                     rid,
@@ -371,9 +423,6 @@ class RemoteService:
                     reply.completion_tokens,
                 )
             )
-        finally:
-            with self._lock:
-                self._stops.pop(rid, None)
 
 
 class RemoteChatModel:
@@ -383,8 +432,11 @@ class RemoteChatModel:
     tool_format = "openai"  # not "generic": the server holds its model to its calls
 
     def __init__(self, endpoint: Endpoint, sampling: dict[str, Any] | None = None) -> None:
+        """``sampling``: a session's values; only generation settings go to the server
+        (an app setting such as ``context_overflow`` would make a strict server refuse)."""
         self.endpoint = endpoint
-        self.sampling = {"temperature": 0.2, "max_tokens": 1024, **(sampling or {})}
+        given = {k: v for k, v in (sampling or {}).items() if k in GENERATION_KEYS}
+        self.sampling = {"temperature": 0.2, "max_tokens": 1024, **given}
 
     def complete(
         self,

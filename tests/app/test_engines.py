@@ -3,6 +3,7 @@ where none works, in a file only the user can read; and the Engines dialog."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -85,6 +86,11 @@ def check_keyring(store: Store, keys: KeyStore, ring: MemoryKeyring, tmp_path: P
     assert find_engine(store, "lab", keys).api_key == "sk-2"
     save_engines(store, [], keys)
     assert ring.secrets == {}
+    os.environ["BEVY_KEYRING"] = "off"  # asked for the file, the keyring is left alone
+    try:
+        assert not KeyStore(tmp_path).secure
+    finally:
+        del os.environ["BEVY_KEYRING"]
 
 
 def test_the_engines_dialog_edits_the_list_and_asks_the_server_for_models(qtbot) -> None:
@@ -102,3 +108,7 @@ def test_the_engines_dialog_edits_the_list_and_asks_the_server_for_models(qtbot)
     dialog.url.textEdited.emit("http://gpu-box:8000")
     dialog.remove_engine()  # the new one again
     assert [e.name for e in dialog.engines()] == ["lab"]
+    dialog.list.setCurrentRow(0)
+    dialog.name.setText("lab-2")
+    dialog.name.textEdited.emit("lab-2")
+    assert dialog.renames() == {"lab": "lab-2"}  # its sessions follow it (main window)

@@ -389,3 +389,15 @@ def test_a_reopened_reply_streams_on_from_its_text(tmp_path: Path, clock: Clock)
             "cut at the limit",
             "interrupted",
         )
+
+
+def test_deleting_the_shown_reply_shows_its_alternative(store: Store) -> None:
+    sid = store.create_session().id
+    q = store.add_message(sid, "user", "q")
+    a1 = store.add_message(sid, "assistant", "a1")
+    store.rewind(sid, a1.id)  # regenerated: a2 is shown, a1 its alternative
+    a2 = store.add_message(sid, "assistant", "a2")
+    store.delete_message(a2.id)
+    assert [m.id for m in store.messages(sid)] == [q.id, a1.id]  # not a chat ending at q
+    store.rename_engine("", "lab")
+    assert store.session(sid).engine == "lab"

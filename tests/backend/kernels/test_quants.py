@@ -10,14 +10,31 @@ from gguf import quants as gguf_quants
 from backend.kernels.quants import SUPPORTED, QType, block_shape, dequantize, tensor_nbytes
 
 # Types gguf-py can quantize; random floats round-tripped through it give realistic blocks.
-QUANTIZABLE = (QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1)
-BLOCK_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+QUANTIZABLE = (QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.MXFP4)
+BLOCK_TYPES = (
+    QType.Q8_0,
+    QType.Q4_0,
+    QType.Q4_1,
+    QType.Q5_0,
+    QType.Q5_1,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+    QType.IQ4_NL,
+    QType.IQ4_XS,
+    QType.MXFP4,
+)
 # Byte offsets of the f16 scale fields inside one block. Random bytes there could be
 # NaN/Inf, which never compare equal, so the tests overwrite them with finite values.
 F16_FIELDS: dict[QType, tuple[int, ...]] = {
     QType.Q8_0: (0,),
     QType.Q4_0: (0,),
     QType.Q4_1: (0, 2),
+    QType.Q5_0: (0,),
+    QType.Q5_1: (0, 2),
+    QType.IQ4_NL: (0,),
+    QType.IQ4_XS: (0,),
+    QType.MXFP4: (),  # its scale is a byte: every value is a finite power of two
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
@@ -163,9 +180,14 @@ def test_supported_set() -> None:
         QType.Q8_0,
         QType.Q4_0,
         QType.Q4_1,
+        QType.Q5_0,
+        QType.Q5_1,
         QType.Q4_K,
         QType.Q5_K,
         QType.Q6_K,
+        QType.IQ4_NL,
+        QType.IQ4_XS,
+        QType.MXFP4,
     } == SUPPORTED
 
 
@@ -181,7 +203,12 @@ def test_supported_set() -> None:
         (QType.Q4_K, (256, 144)),
         (QType.Q5_K, (256, 176)),
         (QType.Q6_K, (256, 210)),
-        (QType.Q5_0, (32, 22)),  # sizes are known even for types we cannot decode
+        (QType.Q5_0, (32, 22)),
+        (QType.Q5_1, (32, 24)),
+        (QType.IQ4_NL, (32, 18)),
+        (QType.IQ4_XS, (256, 136)),
+        (QType.MXFP4, (32, 17)),
+        (QType.Q2_K, (256, 84)),  # sizes are known even for types we cannot decode
     ],
     ids=lambda v: getattr(v, "name", None),
 )
@@ -216,9 +243,9 @@ def test_tensor_nbytes_matches_gguf_byte_shape() -> None:
 
 
 def test_unsupported_type_is_named() -> None:
-    raw = torch.zeros(tensor_nbytes(QType.Q5_0, (32,)), dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"unsupported quant type Q5_0; supported: F32, F16, "):
-        dequantize(raw, QType.Q5_0, (32,))
+    raw = torch.zeros(tensor_nbytes(QType.Q2_K, (256,)), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"unsupported quant type Q2_K; supported: F32, F16, "):
+        dequantize(raw, QType.Q2_K, (256,))
 
 
 def test_unknown_type_number() -> None:

@@ -121,5 +121,11 @@ def test_a_continued_reply_ends_the_prompt_inside_its_turn(model) -> None:
     full = len(chat_prompt_ids(model, long, continue_final=True))
     fitted, dropped = fit_chat(model, long, None, full // 2, "rolling", continue_final=True)
     kept = [long[0], *long[1 + dropped :]]
-    assert dropped > 0 and fitted == chat_prompt_ids(model, kept, continue_final=True)
-    assert kept[-2:] == long[-2:]
+    assert 0 < dropped < len(long) - 3  # some turns went, the last two did not
+    assert fitted == chat_prompt_ids(model, kept, continue_final=True)
+    assert tok.decode(fitted).endswith("last<|im_end|>\n<|im_start|>assistant\nThe Nile, the")
+    # Its own text stays as it was, trailing newline too: the model goes on after it.
+    ids = chat_prompt_ids(
+        model, [*question, {**reply, "content": "1. Nile\n"}], continue_final=True
+    )
+    assert tok.decode(ids) == opened + "1. Nile\n"

@@ -80,7 +80,7 @@ def _oracle(ref) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0])
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q5_1, QType.MXFP4])
 def test_gguf_quantized_matches_oracle_dequantizer(
     tiny_dir: dict[str, Path], tmp_path: Path, monkeypatch, family: str, qtype: QType
 ) -> None:
