@@ -173,22 +173,7 @@ def test_accelerator_matches_and_stays_on_device(qtype: QType) -> None:
 
 
 def test_supported_set() -> None:
-    assert {
-        QType.F32,
-        QType.F16,
-        QType.BF16,
-        QType.Q8_0,
-        QType.Q4_0,
-        QType.Q4_1,
-        QType.Q5_0,
-        QType.Q5_1,
-        QType.Q4_K,
-        QType.Q5_K,
-        QType.Q6_K,
-        QType.IQ4_NL,
-        QType.IQ4_XS,
-        QType.MXFP4,
-    } == SUPPORTED
+    assert {QType.F32, QType.F16, QType.BF16, *BLOCK_TYPES} == SUPPORTED
 
 
 @pytest.mark.parametrize(
