@@ -27,6 +27,14 @@ dimension) is cut into fixed-size blocks laid out back to back, so the whole ten
   ``(l | h << 4) - 32`` and ``x = (d * scale) * level``.
 * ``MXFP4`` (32 values, 17 bytes): ``e: u8`` (an E8M0 power of two, halved), ``qs: u8[16]``
   as in Q4_0, each nibble an FP4 (E2M1) value, doubled; ``x = 2^(e-128) * value``.
+* ``Q2_K`` (256 values, 84 bytes): ``scales: u8[16]`` (low nibble a scale, high nibble a
+  min, one pair per 16 values), ``qs: u8[64]``, ``d: f16``, ``dmin: f16``. Each 32-byte
+  half of ``qs`` holds four 32-value groups in its bit pairs 0-1, 2-3, 4-5, 6-7;
+  ``x = (d * scale) * q - (dmin * min)``.
+* ``Q3_K`` (256 values, 110 bytes): ``hmask: u8[32]``, ``qs: u8[64]`` (2-bit values laid
+  out as Q2_K's), ``scales: u8[12]`` (sixteen 6-bit scales: low nibbles in bytes 0-7, top
+  bit pairs in bytes 8-11), ``d: f16``. Bit ``j`` of ``hmask[l]`` belongs to value
+  ``32j + l``; a clear bit lowers the 2-bit value by 4; ``x = (d * (scale - 32)) * q``.
 * ``Q6_K`` (256 values, 210 bytes): ``ql: u8[128]``, ``qh: u8[64]``, ``scales: int8[16]``,
   ``d: f16``. Each 128-value half uses 64 bytes of ``ql`` (low nibbles = values 0-63, high
   nibbles = 64-127) and 32 bytes of ``qh`` (bit pair ``2k`` = top bits of values
@@ -61,6 +69,8 @@ _SUPPORTED_ORDER: tuple[QType, ...] = (
     QType.Q4_1,
     QType.Q5_0,
     QType.Q5_1,
+    QType.Q2_K,
+    QType.Q3_K,
     QType.Q4_K,
     QType.Q5_K,
     QType.Q6_K,
@@ -286,6 +296,43 @@ def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     return _levels(_FP4_VALUES, blocks[:, 1:]).view(n, 32).mul_(d)
 
 
+def _bit_pairs(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K's ``qs`` [n, 64] -> its 256 2-bit values as uint8 [n, 16, 16]: each
+    32-byte half gives four 32-value groups, from its bit pairs low to high."""
+    n = qs.shape[0]
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=qs.device).view(1, 1, 4, 1)
+    return ((qs.view(n, 2, 1, 32) >> shifts) & 0x03).view(n, 16, 16)
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d, dmin = _f16_field(blocks, 80, 82), _f16_field(blocks, 82, 84)
+    scales = blocks[:, :16]
+    dl = (d * (scales & 0x0F).to(torch.float32)).unsqueeze(-1)
+    ml = (dmin * (scales >> 4).to(torch.float32)).unsqueeze(-1)
+    # Reference order: (d * scale) * q - (dmin * min), two roundings.
+    return _bit_pairs(blocks[:, 16:80]).to(torch.float32).mul_(dl).sub_(ml).view(n, 256)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    d = _f16_field(blocks, 108, 110)
+    low = blocks[:, 96:104].view(n, 1, 8) >> torch.tensor(
+        (0, 4), dtype=torch.uint8, device=blocks.device
+    ).view(1, 2, 1)
+    top = blocks[:, 104:108].view(n, 1, 4) >> torch.arange(
+        0, 8, 2, dtype=torch.uint8, device=blocks.device
+    ).view(1, 4, 1)
+    # Scales are 0..63, so the int8 view is exact and recentring cannot overflow.
+    scale = ((low.reshape(n, 16) & 0x0F) | ((top.reshape(n, 16) & 0x03) << 4)).view(torch.int8)
+    dl = (d * scale.sub_(32).to(torch.float32)).unsqueeze(-1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).view(1, 8, 1)
+    high = ((blocks[:, :32].view(n, 1, 32) >> shifts) & 1).view(n, 16, 16)
+    # A clear hmask bit subtracts 4: q in -4..3, exact in int8.
+    q = _bit_pairs(blocks[:, 32:96]).view(torch.int8) - ((high ^ 1) << 2).view(torch.int8)
+    return q.to(torch.float32).mul_(dl).view(n, 256)
+
+
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     factors = _k_factors(blocks).unsqueeze(-1)
@@ -331,6 +378,8 @@ _DECODERS: dict[QType, Callable[[torch.Tensor], torch.Tensor]] = {
     QType.Q4_1: _q4_1,
     QType.Q5_0: _q5_0,
     QType.Q5_1: _q5_1,
+    QType.Q2_K: _q2_k,
+    QType.Q3_K: _q3_k,
     QType.Q4_K: _q4_k,
     QType.Q5_K: _q5_k,
     QType.Q6_K: _q6_k,

@@ -17,6 +17,8 @@ BLOCK_TYPES = (
     QType.Q4_1,
     QType.Q5_0,
     QType.Q5_1,
+    QType.Q2_K,
+    QType.Q3_K,
     QType.Q4_K,
     QType.Q5_K,
     QType.Q6_K,
@@ -35,6 +37,8 @@ F16_FIELDS: dict[QType, tuple[int, ...]] = {
     QType.IQ4_NL: (0,),
     QType.IQ4_XS: (0,),
     QType.MXFP4: (),  # its scale is a byte: every value is a finite power of two
+    QType.Q2_K: (80, 82),
+    QType.Q3_K: (108,),
     QType.Q4_K: (0, 2),
     QType.Q5_K: (0, 2),
     QType.Q6_K: (208,),
@@ -193,7 +197,9 @@ def test_supported_set() -> None:
         (QType.IQ4_NL, (32, 18)),
         (QType.IQ4_XS, (256, 136)),
         (QType.MXFP4, (32, 17)),
-        (QType.Q2_K, (256, 84)),  # sizes are known even for types we cannot decode
+        (QType.Q2_K, (256, 84)),
+        (QType.Q3_K, (256, 110)),
+        (QType.IQ3_XXS, (256, 98)),  # sizes are known even for types we cannot decode
     ],
     ids=lambda v: getattr(v, "name", None),
 )
@@ -228,9 +234,9 @@ def test_tensor_nbytes_matches_gguf_byte_shape() -> None:
 
 
 def test_unsupported_type_is_named() -> None:
-    raw = torch.zeros(tensor_nbytes(QType.Q2_K, (256,)), dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"unsupported quant type Q2_K; supported: F32, F16, "):
-        dequantize(raw, QType.Q2_K, (256,))
+    raw = torch.zeros(tensor_nbytes(QType.IQ3_XXS, (256,)), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"unsupported quant type IQ3_XXS; supported: F32, F16, "):
+        dequantize(raw, QType.IQ3_XXS, (256,))
 
 
 def test_unknown_type_number() -> None:

@@ -84,13 +84,13 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:
     def setup(w: gguf.GGUFWriter) -> None:
-        # Q2_K: 256 values in 84 bytes; a real type, just not one we decode.
-        q2 = gguf.GGMLQuantizationType.Q2_K
-        w.add_tensor("token_embd.weight", np.zeros((4, 84), dtype=np.uint8), raw_dtype=q2)
+        # IQ3_XXS: 256 values in 98 bytes; a real type, just not one we decode.
+        iq3 = gguf.GGMLQuantizationType.IQ3_XXS
+        w.add_tensor("token_embd.weight", np.zeros((4, 98), dtype=np.uint8), raw_dtype=iq3)
 
-    bad = write_small_gguf(tmp_path / "q2.gguf", "llama", setup)
+    bad = write_small_gguf(tmp_path / "iq3.gguf", "llama", setup)
     assert_clean_error(
-        run_cli("generate", "--model", str(bad), "hi"), bad, "unsupported quant type Q2_K"
+        run_cli("generate", "--model", str(bad), "hi"), bad, "unsupported quant type IQ3_XXS"
     )
 
 
