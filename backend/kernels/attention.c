@@ -105,18 +105,23 @@ static void attn_chunk(const float *q, int rep, int dh, const float *K, const fl
    Row r: queries q + r * ldq [H, dh] (RoPE applied), its new key and value
    k + r * ldk, v + r * ldv [G, dh], its cache kbuf[r], vbuf[r] [G, caps[r], dh] (float32,
    capacity caps[r] > pos[r]). The new key and value are written at position pos[r], then
-   out [T, H * dh] = softmax(q . K[0..pos] * scale) V per head. Work items are (row, kv
-   head, chunk of ATT_CHUNK positions), merged per head in position order. On `threads`
-   threads; 0 on success, -1 if out of memory, -2 for head counts or widths it does not take. */
+   out [T, H * dh] = softmax(q . K[lo..pos] * scale) V per head, lo = 0, or with a sliding
+   window > 0, the first of the last `window` positions: max(0, pos - window + 1). Work
+   items are (row, kv head, chunk of ATT_CHUNK positions from lo), merged per head in
+   position order. On `threads` threads; 0 on success, -1 if out of memory, -2 for head
+   counts or widths it does not take. */
+#define ATT_LO(p) (window > 0 && (p) >= window ? (p) - window + 1 : 0)
+#define ATT_NCH(p) ((p) - ATT_LO(p) + ATT_CHUNK) / ATT_CHUNK
 int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const float *v, int ldv,
                      const uint64_t *kbuf, const uint64_t *vbuf, const int *caps, const int *pos,
-                     int T, int H, int G, int dh, float scale, float *out, int threads) {
+                     int T, int H, int G, int dh, float scale, int window, float *out,
+                     int threads) {
     if (G <= 0 || H % G || H / G > ATT_MAX_REP || dh % 16 || dh > 256) return -2;
     const int rep = H / G;
     int *first = malloc(sizeof(int) * (size_t)(T + 1));
     if (!first) return -1;
     first[0] = 0;
-    for (int r = 0; r < T; r++) first[r + 1] = first[r] + G * ((pos[r] + ATT_CHUNK) / ATT_CHUNK);
+    for (int r = 0; r < T; r++) first[r + 1] = first[r] + G * ATT_NCH(pos[r]);
     const int items = first[T];
     float *part = malloc(sizeof(float) * (size_t)items * rep * (dh + 2) + 1);
     if (!part) {
@@ -133,15 +138,16 @@ int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const flo
     for (int it = 0; it < items; it++) {
         int r = 0;
         while (first[r + 1] <= it) r++;
-        const int nch = (pos[r] + ATT_CHUNK) / ATT_CHUNK, g = (it - first[r]) / nch;
+        const int nch = ATT_NCH(pos[r]), g = (it - first[r]) / nch;
         const int c = (it - first[r]) % nch, len = pos[r] + 1;
-        const int j0 = c * ATT_CHUNK, j1 = j0 + ATT_CHUNK < len ? j0 + ATT_CHUNK : len;
+        const int j0 = ATT_LO(pos[r]) + c * ATT_CHUNK;
+        const int j1 = j0 + ATT_CHUNK < len ? j0 + ATT_CHUNK : len;
         const size_t base = (size_t)g * caps[r] * dh;
         attn_chunk(q + (size_t)r * ldq + (size_t)g * rep * dh, rep, dh, (const float *)kbuf[r] + base,
                    (const float *)vbuf[r] + base, j0, j1, scale, part + (size_t)it * rep * (dh + 2));
     }
     for (int r = 0; r < T; r++) {
-        const int nch = (pos[r] + ATT_CHUNK) / ATT_CHUNK;
+        const int nch = ATT_NCH(pos[r]);
         for (int h = 0; h < H; h++) {
             const int g = h / rep, i = h % rep;
             const float *p0 = part + ((size_t)(first[r] + g * nch) * rep + i) * (dh + 2);
@@ -161,6 +167,8 @@ int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const flo
     free(first);
     return 0;
 }
+#undef ATT_LO
+#undef ATT_NCH
 
 /* y [M, N] = x [M, K] @ W.T for W in blocks of `qtype` (0: Q4_0, 1: Q4_1, 2: Q8_0). */
 static int linear_any(const uint8_t *w, int qtype, const float *x, float *y, int M, int N, int K,
@@ -222,7 +230,7 @@ static void rms_row(const float *h, const float *w, float eps, int D, float *x) 
    out [T, D] = h + attn(rms_norm(h) * norm_w) @ Wo.T, where q, k, v = x @ Wqkv.T (q, k, v
    stacked: [(H + 2G) * dh, D]), q and k rotated at position pos[r] (cos, sin: tables
    [*, dh / 2] by position), the new key and value written to the row's cache, and the
-   attention as in bevy_attn_decode. Weights in blocks of qkv_type / o_type (linear_any).
+   attention as in bevy_attn_decode (`window` too). Weights in blocks of qkv_type / o_type (linear_any).
    Then, if ffn_w is given, the MoE's input xout [T, D] = rms_norm(out) * ffn_w, and if
    router [E, D] (float32, D a multiple of 16) is given too, its logits [T, E] = xout @
    router.T, each a dot product in a fixed order; and if ids is given too, each row's
@@ -232,9 +240,9 @@ int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps
                     const uint8_t *wqkv, int qkv_type, const uint8_t *wo, int o_type,
                     const float *cos, const float *sin, int interleaved, const uint64_t *kbuf,
                     const uint64_t *vbuf, const int *caps, const int *pos, int H, int G, int dh,
-                    float scale, float *out, const float *ffn_w, float *xout, const float *router,
-                    int E, float *logits, int k, int norm_topk, int64_t *ids, float *weights,
-                    int threads) {
+                    float scale, int window, float *out, const float *ffn_w, float *xout,
+                    const float *router, int E, float *logits, int k, int norm_topk, int64_t *ids,
+                    float *weights, int threads) {
     const int width = (H + 2 * G) * dh, half = dh / 2;
     if (ids && (!ffn_w || !router || k < 1 || k > E)) return -2;
     float *x = malloc(sizeof(float) * ((size_t)T * D + (size_t)T * width + (size_t)T * H * dh) + 1);
@@ -247,7 +255,8 @@ int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps
                    sin + (size_t)pos[r] * half, interleaved);
     if (!rc)
         rc = bevy_attn_decode(qkv, width, qkv + (size_t)H * dh, width, qkv + (size_t)(H + G) * dh,
-                              width, kbuf, vbuf, caps, pos, T, H, G, dh, scale, att, threads);
+                              width, kbuf, vbuf, caps, pos, T, H, G, dh, scale, window, att,
+                              threads);
     if (!rc) rc = linear_any(wo, o_type, att, out, T, D, H * dh, threads);
     if (!rc)
         for (size_t i = 0; i < (size_t)T * D; i++) out[i] = h[i] + out[i];

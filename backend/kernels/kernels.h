@@ -21,13 +21,14 @@ int bevy_q8_linear(const uint8_t *w, const float *x, float *y, int M, int N, int
 /* attention.c */
 int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const float *v, int ldv,
                      const uint64_t *kbuf, const uint64_t *vbuf, const int *caps, const int *pos,
-                     int T, int H, int G, int dh, float scale, float *out, int threads);
+                     int T, int H, int G, int dh, float scale, int window, float *out,
+                     int threads);
 int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps,
                     const uint8_t *wqkv, int qkv_type, const uint8_t *wo, int o_type,
                     const float *cos, const float *sin, int interleaved, const uint64_t *kbuf,
                     const uint64_t *vbuf, const int *caps, const int *pos, int H, int G, int dh,
-                    float scale, float *out, const float *ffn_w, float *xout, const float *router,
-                    int E, float *logits, int k, int norm_topk, int64_t *ids, float *weights,
-                    int threads);
+                    float scale, int window, float *out, const float *ffn_w, float *xout,
+                    const float *router, int E, float *logits, int k, int norm_topk, int64_t *ids,
+                    float *weights, int threads);
 
 #endif /* BEVY_KERNELS_H */

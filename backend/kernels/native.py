@@ -182,10 +182,10 @@ def build(
     lib.bevy_q8_linear.restype = i32
     f32 = ctypes.c_float
     lib.bevy_attn_decode.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr]
-    lib.bevy_attn_decode.argtypes += [i32, i32, i32, i32, f32, ptr, i32]
+    lib.bevy_attn_decode.argtypes += [i32, i32, i32, i32, f32, i32, ptr, i32]
     lib.bevy_attn_decode.restype = i32
     lib.bevy_attn_block.argtypes = [ptr, i32, i32, ptr, f32, ptr, i32, ptr, i32, ptr, ptr, i32]
-    lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, ptr, i32, i32, i32, f32, ptr]
+    lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, ptr, i32, i32, i32, f32, i32, ptr]
     lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, i32, ptr, i32, i32, ptr, ptr, i32]
     lib.bevy_attn_block.restype = i32
     return lib
@@ -419,6 +419,7 @@ def attention(
     caches: list[tuple[torch.Tensor, torch.Tensor]],
     pos: list[int],
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor | None:
     """Decoding attention for T sequences with one new token each, in one call.
 
@@ -426,7 +427,8 @@ def attention(
     = (K, V) [G, cap, dh] float32 buffers of sequence r, with ``pos[r]`` < cap, holding
     its keys and values at positions before ``pos[r]``. Writes row r's key and value at
     ``pos[r]``, then returns out [T, H * dh]: per head, softmax(q . K[:pos+1] * scale)
-    V[:pos+1], query head h reading kv head h // (H / G). Each row is computed on its own,
+    V[:pos+1], query head h reading kv head h // (H / G); with a sliding ``window`` > 0,
+    over the last ``window`` positions only. Each row is computed on its own,
     in chunks of positions merged in order: its result does not depend on its batch-mates
     or on the number of threads. None where the kernels are unavailable or do not take
     these arguments (the caller's buffers are then untouched)."""
@@ -456,6 +458,7 @@ def attention(
             G,
             dh,
             scale,
+            window,
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -540,7 +543,8 @@ class BlockWeights:
     (the FFN's norm weight [D], a float32 router [E, D] or None), ``topk`` = (k, whether
     the k weights are normalized to sum to 1) or None: see ``attention_block``. The router
     is dropped (``router`` None) unless D is a multiple of 16 and E * D <= ``ROUTER_MAX``,
-    and ``topk`` unless a router is kept and 0 < k <= E."""
+    and ``topk`` unless a router is kept and 0 < k <= E. ``window``: the layer's sliding
+    window (0: none), as in ``attention``."""
 
     def __init__(
         self,
@@ -552,8 +556,10 @@ class BlockWeights:
         interleaved: bool,
         ffn: tuple[torch.Tensor, torch.Tensor | None] | None = None,
         topk: tuple[int, bool] | None = None,
+        window: int = 0,
     ) -> None:
         (H, G, dh), (wqkv, tq), (wo, to) = heads, qkv, o
+        self.window = window
         ffn_w, router = ffn if ffn is not None else (None, None)
         D = norm_w.shape[0] if norm_w.dim() == 1 else -1
         if router is not None and not (
@@ -650,6 +656,7 @@ def attention_block(
             G,
             dh,
             dh**-0.5,
+            blk.window,
             out.data_ptr(),
             None if x is None else blk.ffn_w.data_ptr(),
             None if x is None else x.data_ptr(),

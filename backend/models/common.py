@@ -9,6 +9,7 @@ from pathlib import Path
 from backend.errors import ModelLoadError
 from backend.formats.gguf import GGUFFile
 from backend.formats.tensors import TensorRef
+from backend.models import rope
 from backend.models.config import ModelConfig
 from backend.models.weights import ExpertRef
 
@@ -29,11 +30,7 @@ class Family:
 
 def hf_config(cfg: dict, family: str, **overrides: object) -> ModelConfig:
     """The fields every HF decoder config has, plus family-specific overrides."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ValueError(f"unsupported rope scaling {rope_type!r}")
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    theta, scaling = rope.from_hf(cfg)
     heads = cfg["num_attention_heads"]
     fields = dict(
         family=family,
@@ -45,12 +42,47 @@ def hf_config(cfg: dict, family: str, **overrides: object) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         intermediate_size=cfg.get("intermediate_size", 0),
         rms_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
+        rope_theta=theta,
+        rope_scaling=scaling,
         context_length=cfg.get("max_position_embeddings", 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **hf_windows(cfg),
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def hf_windows(cfg: dict) -> dict:
+    """``sliding_window`` and ``window_layers`` from a transformers config: the layers its
+    ``layer_types`` calls "sliding_attention", or every layer where it has none (Mixtral,
+    Qwen3-MoE); none where ``use_sliding_window`` is false."""
+    window = cfg.get("sliding_window") or 0
+    if not window or cfg.get("use_sliding_window", True) is False:
+        return {}
+    types = cfg.get("layer_types")
+    if types is None:
+        return {"sliding_window": int(window)}
+    return {
+        "sliding_window": int(window),
+        "window_layers": tuple(t == "sliding_attention" for t in types),
+    }
+
+
+def gguf_windows(g: GGUFFile, n_layers: int) -> dict:
+    """The same from llama.cpp's ``attention.sliding_window`` and, where only some layers
+    slide, ``attention.sliding_window_pattern`` (one bool per layer, True = sliding; or
+    an int n: every n-th layer attends fully, the others slide)."""
+    window = int(g.get("attention.sliding_window", 0) or 0)
+    if not window:
+        return {}
+    pattern = g.get("attention.sliding_window_pattern")
+    if pattern is None:
+        return {"sliding_window": window}
+    if isinstance(pattern, int):
+        layers = tuple((i + 1) % pattern != 0 for i in range(n_layers)) if pattern else ()
+    else:
+        layers = tuple(bool(b) for b in pattern)
+    return {"sliding_window": window, "window_layers": layers}
 
 
 def gguf_config(g: GGUFFile, family: str, **overrides: object) -> ModelConfig:
@@ -76,6 +108,8 @@ def gguf_config(g: GGUFFile, family: str, **overrides: object) -> ModelConfig:
         top_k=int(g.get("expert_used_count", 0) or 0),
         tie_embeddings="output.weight" not in g.tensors,
     )
+    fields.update(rope.from_gguf(g, int(fields["head_dim"])))
+    fields.update(gguf_windows(g, int(fields["n_layers"])))
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -6,6 +6,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """A long-context rescaling of RoPE's frequencies (see ``backend.models.rope``)."""
+
+    kind: str  # "linear", "llama3" or "yarn"
+    factor: float
+    original_context: int = 0  # the context length the model was pretrained at
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn: the ramp's ends, in rotations over the original context
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # yarn: cos/sin scale; None: 0.1 ln(factor) + 1
+    truncate: bool = True  # yarn: round the ramp's ends to whole pairs
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str  # registry key: llama, mixtral, qwen3_moe, olmoe, qwen2_moe
     vocab_size: int
@@ -29,6 +44,10 @@ class ModelConfig:
     clip_qkv: float | None = None
     sparse_layers: tuple[bool, ...] = field(default=())  # True where the MLP is routed experts
     tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] = ()  # GGUF rope_freqs: per-pair frequency divisors
+    sliding_window: int = 0  # keys a sliding layer's query sees: its own and the W-1 before
+    window_layers: tuple[bool, ...] = field(default=())  # True where a layer slides
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim")
@@ -52,10 +71,22 @@ class ModelConfig:
             raise ValueError("sparse_layers must have one entry per layer")
         if self.n_experts == 0 and any(self.sparse_layers):
             raise ValueError("sparse layers need n_experts > 0")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if not self.window_layers:
+            object.__setattr__(self, "window_layers", (self.sliding_window > 0,) * self.n_layers)
+        if len(self.window_layers) != self.n_layers:
+            raise ValueError("window_layers must have one entry per layer")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors must have {self.head_dim // 2} entries")
 
     @property
     def is_moe(self) -> bool:
         return any(self.sparse_layers)
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window, 0 where it attends to every earlier position."""
+        return self.sliding_window if self.window_layers[layer] else 0
 
     @property
     def n_routed_experts(self) -> int:

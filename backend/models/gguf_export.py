@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from backend.kernels.quants import QType
+from backend.models import rope
 from backend.models.config import ModelConfig
 
 _ARCH = {
@@ -46,6 +47,29 @@ def _encode(w: np.ndarray, name: str, qtype: QType) -> tuple[np.ndarray, QType]:
     return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
 
 
+def _add_rope_scaling(w: gguf.GGUFWriter, c: ModelConfig) -> None:
+    """llama.cpp's keys for linear and YaRN scaling; llama3's as the ``rope_freqs``
+    divisors, as llama.cpp's converter writes them."""
+    s, factors = c.rope_scaling, c.rope_freq_factors
+    if s is not None and s.kind == "llama3":
+        factors = rope.llama3_freq_factors(c)
+    elif s is not None:
+        kind = gguf.RopeScalingType.LINEAR if s.kind == "linear" else gguf.RopeScalingType.YARN
+        w.add_rope_scaling_type(kind)
+        w.add_rope_scaling_factor(s.factor)
+        if s.original_context:
+            w.add_rope_scaling_orig_ctx_len(s.original_context)
+        if s.kind == "yarn":
+            if not s.truncate:
+                raise ValueError("llama.cpp always rounds YaRN's ramp: truncate=False has no key")
+            w.add_rope_scaling_yarn_beta_fast(s.beta_fast)
+            w.add_rope_scaling_yarn_beta_slow(s.beta_slow)
+            if s.attention_factor is not None:
+                w.add_rope_scaling_attn_factors(s.attention_factor / rope.yarn_mscale(s.factor))
+    if factors:
+        w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
+
+
 def write_gguf(model, out: str | Path, qtype: QType = QType.F32) -> Path:
     """``model`` is a ``LoadedModel``; experts are written fused (``ffn_*_exps``)."""
     c: ModelConfig = model.config
@@ -63,6 +87,11 @@ def write_gguf(model, out: str | Path, qtype: QType = QType.F32) -> Path:
     w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_rope_freq_base(c.rope_theta)
+    _add_rope_scaling(w, c)
+    if c.sliding_window:
+        w.add_sliding_window(c.sliding_window)
+        if not all(c.window_layers):
+            w.add_sliding_window_pattern(list(c.window_layers))
     w.add_vocab_size(c.vocab_size)
     if c.n_experts:
         w.add_expert_count(c.n_experts)

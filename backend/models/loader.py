@@ -58,12 +58,13 @@ def _gguf_layout(
     if fam is None:
         known = ", ".join(registry.GGUF_ARCHITECTURES)
         raise ModelLoadError(g.path, f"unknown architecture {g.arch!r} (supported: {known})")
-    scaling = g.get("rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in g.tensors:
-        raise ModelLoadError(g.path, f"unsupported RoPE scaling ({scaling or 'rope_freqs tensor'})")
     try:
         config = fam.config_from_gguf(g)
-    except (KeyError, TypeError, ValueError) as exc:
+    except ValueError as exc:
+        if "rope" in str(exc):
+            raise ModelLoadError(g.path, str(exc)) from None
+        raise ModelLoadError(g.path, f"invalid or missing {g.arch} metadata ({exc})") from None
+    except (KeyError, TypeError) as exc:
         raise ModelLoadError(g.path, f"invalid or missing {g.arch} metadata ({exc})") from None
     config = with_sparse_layers(config, lambda i: f"blk.{i}.ffn_gate_inp.weight" in g.tensors)
     for i in range(config.n_layers):

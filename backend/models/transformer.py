@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from backend.kernels import native
 from backend.kernels.dense import FusedWeight, dense_linear, warm_up_dense
+from backend.models import rope
 from backend.models.config import ModelConfig
 from backend.models.weights import ExpertRef, ExpertWeights
 
@@ -106,10 +107,8 @@ class Transformer:
         self.device = device
         self.dtype = dtype
         c = config
-        self._inv_freq = 1.0 / (
-            c.rope_theta
-            ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float().to(device) / c.head_dim)
-        )
+        # The frequencies, and the factor cos and sin are scaled by (YaRN's; else 1).
+        self._inv_freq, self._rope_scale = rope.inv_freq(c, device)
         # dtype -> (cos, sin) [P, Dh/2] for positions 0..P-1 (see ``_rope_table``)
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         # (layer, ffn, router) -> (the weights it was made of, the native attention block's
@@ -143,7 +142,10 @@ class Transformer:
             size = max(end, 256, 2 * (0 if table is None else table[0].shape[0]))
             pos = torch.arange(size, device=self._inv_freq.device).float()
             freqs = pos[:, None] * self._inv_freq[None, :]  # [P, Dh/2]
-            table = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            cos, sin = freqs.cos(), freqs.sin()
+            if self._rope_scale != 1.0:
+                cos, sin = cos * self._rope_scale, sin * self._rope_scale
+            table = cos.to(dtype), sin.to(dtype)
             self._rope_tables[dtype] = table  # one assignment: readers see old or new
         return table
 
@@ -203,11 +205,14 @@ class Transformer:
             qk = self._rope(qk.view(T, c.n_heads + c.n_kv_heads, c.head_dim), cos, sin)
             q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
         out = None
+        window = c.window(layer)
         if decoding:
             # One native call writes every row's key and value and attends
             # (``native.attention``), instead of the loop below and its torch ops per row.
             caches = [s.kv.reserve(layer, s.start, s.start + 1, k[i]) for i, s in enumerate(seqs)]
-            out = native.attention(q, k, v, caches, [s.start for s in seqs], c.head_dim**-0.5)
+            out = native.attention(
+                q, k, v, caches, [s.start for s in seqs], c.head_dim**-0.5, window
+            )
         if out is not None:
             o = self._fused_linear(p + "attn_output", out)
             return h + (F.linear(out, w[p + "attn_output"]) if o is None else o)
@@ -221,6 +226,10 @@ class Transformer:
                 k[row : row + s.n].transpose(0, 1),
                 v[row : row + s.n].transpose(0, 1),
             )
+            # A sliding layer's rows see only the last ``window`` positions up to their own.
+            lo = max(0, s.start - window + 1) if window else 0
+            if lo:
+                kk, vv = kk[:, lo:], vv[:, lo:]
             if s.n == 1 and h.device.type == "cpu" and h.dtype == torch.float32:
                 # Decoding: one query per head, no mask. Two batched matmuls and a softmax
                 # cost less than SDPA's math path on CPU.
@@ -239,10 +248,11 @@ class Transformer:
             )
             mask = None
             if s.n > 1:
-                qpos = torch.arange(s.start, s.start + s.n, device=h.device)
-                mask = (
-                    torch.arange(s.start + s.n, device=h.device)[None, :] <= qpos[:, None]
-                )  # [n, S]
+                qpos = torch.arange(s.start, s.start + s.n, device=h.device)[:, None]
+                kpos = torch.arange(lo, s.start + s.n, device=h.device)[None, :]
+                mask = kpos <= qpos  # [n, S]
+                if window:
+                    mask &= kpos > qpos - window
                 mask = mask.repeat(rep, 1)  # [rep*n, S]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)  # [G, rep*n, Dh]
             out[row : row + s.n] = (
@@ -389,6 +399,7 @@ class Transformer:
                 if ffn
                 else None,
                 (c.top_k, c.norm_topk_prob) if router else None,
+                c.window(layer),
             )
             blk = blk if blk.ok else None
         self._blocks[key] = (sources, blk)

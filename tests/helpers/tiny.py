@@ -54,11 +54,14 @@ FAMILY_CONFIGS = {
 }
 
 
-def make_tiny(family: str, folder: Path) -> Path:
+def make_tiny(family: str, folder: Path, **overrides: object) -> Path:
+    """A tiny random ``family`` model saved to ``folder``; ``overrides`` replace config
+    fields (``rope_parameters``, ``sliding_window``, ...)."""
     import transformers
 
     cls, extra = FAMILY_CONFIGS[family]
-    config = getattr(transformers, cls)(**{**TINY, **extra}, tie_word_embeddings=False)
+    fields = {**TINY, **extra, **overrides}
+    config = getattr(transformers, cls)(**fields, tie_word_embeddings=False)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

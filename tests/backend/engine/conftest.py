@@ -18,13 +18,20 @@ from tests.helpers.tiny import make_tiny
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
     root = tmp_path_factory.mktemp("engine")
     tiny = load_model(make_tiny("mixtral", root / "mixtral"))
-    mixtral = write_gguf(tiny, root / "mixtral.q8.gguf", QType.Q8_0)
+    # Two of the four slide (windows shorter than the longer prompts plus their decoding),
+    # so every policy and path is checked with sliding-window attention too: the Q8_0
+    # Mixtral on every layer, Qwen2-MoE on layer 0 (its ``layer_types``).
+    windowed = load_model(make_tiny("mixtral", root / "mixtral-swa", sliding_window=6))
+    mixtral = write_gguf(windowed, root / "mixtral.q8.gguf", QType.Q8_0)
     mixtral_q4 = write_gguf(tiny, root / "mixtral.q4.gguf", QType.Q4_1)
+    qwen2 = make_tiny(
+        "qwen2_moe", root / "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2
+    )
     return {
         "mixtral-q8-gguf": load_model(mixtral),
         "mixtral-q4-gguf": load_model(mixtral_q4),
         "qwen3-hf": load_model(make_tiny("qwen3_moe", root / "qwen3")),
-        "qwen2-hf": load_model(make_tiny("qwen2_moe", root / "qwen2")),
+        "qwen2-hf": load_model(qwen2),
     }
 
 
