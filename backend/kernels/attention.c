@@ -111,7 +111,7 @@ static void attn_chunk(const float *q, int rep, int dh, const float *K, const fl
    position order. On `threads` threads; 0 on success, -1 if out of memory, -2 for head
    counts or widths it does not take. */
 #define ATT_LO(p) (window > 0 && (p) >= window ? (p) - window + 1 : 0)
-#define ATT_NCH(p) ((p) - ATT_LO(p) + ATT_CHUNK) / ATT_CHUNK
+#define ATT_NCH(p) (((p) - ATT_LO(p) + ATT_CHUNK) / ATT_CHUNK)
 int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const float *v, int ldv,
                      const uint64_t *kbuf, const uint64_t *vbuf, const int *caps, const int *pos,
                      int T, int H, int G, int dh, float scale, int window, float *out,
