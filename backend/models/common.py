@@ -46,20 +46,24 @@ def hf_config(cfg: dict, family: str, **overrides: object) -> ModelConfig:
         rope_scaling=scaling,
         context_length=cfg.get("max_position_embeddings", 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        **hf_windows(cfg),
     )
     fields.update(overrides)
     return ModelConfig(**fields)
 
 
-def hf_windows(cfg: dict) -> dict:
-    """``sliding_window`` and ``window_layers`` from a transformers config: the layers its
-    ``layer_types`` calls "sliding_attention", or every layer where it has none (Mixtral,
-    Qwen3-MoE); none where ``use_sliding_window`` is false."""
+def hf_windows(
+    cfg: dict, flagged: bool = False, slides: Callable[[int], bool] | None = None
+) -> dict:
+    """``sliding_window`` and ``window_layers`` from a transformers config, as its family
+    reads them: with ``flagged``, only where ``use_sliding_window`` is true (Qwen's
+    default is false; Mixtral has no flag); on the layers ``layer_types`` calls
+    "sliding_attention", else those ``slides`` picks, else every layer."""
     window = cfg.get("sliding_window") or 0
-    if not window or cfg.get("use_sliding_window", True) is False:
+    if not window or (flagged and not cfg.get("use_sliding_window", False)):
         return {}
     types = cfg.get("layer_types")
+    if types is None and slides is not None:
+        types = ["sliding_attention" if slides(i) else "" for i in range(cfg["num_hidden_layers"])]
     if types is None:
         return {"sliding_window": int(window)}
     return {

@@ -60,11 +60,7 @@ def _gguf_layout(
         raise ModelLoadError(g.path, f"unknown architecture {g.arch!r} (supported: {known})")
     try:
         config = fam.config_from_gguf(g)
-    except ValueError as exc:
-        if "rope" in str(exc):
-            raise ModelLoadError(g.path, str(exc)) from None
-        raise ModelLoadError(g.path, f"invalid or missing {g.arch} metadata ({exc})") from None
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(g.path, f"invalid or missing {g.arch} metadata ({exc})") from None
     config = with_sparse_layers(config, lambda i: f"blk.{i}.ffn_gate_inp.weight" in g.tensors)
     for i in range(config.n_layers):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backend.formats.gguf import GGUFFile
-from backend.models.common import Family, gguf_config, hf_config, hf_n_experts
+from backend.models.common import Family, gguf_config, hf_config, hf_n_experts, hf_windows
 from backend.models.config import ModelConfig
 
 
@@ -15,6 +15,7 @@ def from_hf(cfg: dict) -> ModelConfig:
         top_k=cfg["num_experts_per_tok"],
         expert_intermediate_size=cfg["intermediate_size"],
         norm_topk_prob=True,
+        **hf_windows(cfg),
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backend.formats.gguf import GGUFFile
-from backend.models.common import Family, gguf_config, hf_config, hf_n_experts
+from backend.models.common import Family, gguf_config, hf_config, hf_n_experts, hf_windows
 from backend.models.config import ModelConfig
 
 
@@ -17,6 +17,10 @@ def from_hf(cfg: dict) -> ModelConfig:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         attn_bias=True,
         shared_expert_size=cfg["shared_expert_intermediate_size"],
+        # Configs older than ``layer_types``: every other layer below max_window_layers.
+        **hf_windows(
+            cfg, flagged=True, slides=lambda i: i % 2 == 0 and i < cfg.get("max_window_layers", 28)
+        ),
     )
 
 

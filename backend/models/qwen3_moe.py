@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backend.formats.gguf import GGUFFile
-from backend.models.common import Family, gguf_config, hf_config, hf_n_experts
+from backend.models.common import Family, gguf_config, hf_config, hf_n_experts, hf_windows
 from backend.models.config import ModelConfig
 
 
@@ -17,6 +17,7 @@ def from_hf(cfg: dict) -> ModelConfig:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         qk_norm="head",
         attn_bias=bool(cfg.get("attention_bias", False)),
+        **hf_windows(cfg, flagged=True),
     )
 
 

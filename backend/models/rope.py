@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from backend.errors import ModelLoadError
+from backend.formats.gguf import GGUFFile
 from backend.formats.tensors import TensorRef
 from backend.kernels.quants import QType, dequantize
 from backend.models.config import ModelConfig, RopeScaling
@@ -131,11 +133,22 @@ def _small_tensor(ref: TensorRef) -> torch.Tensor:
     return dequantize(raw, ref.qtype, ref.shape)
 
 
-def from_gguf(g, head_dim: int) -> dict:
-    """ModelConfig fields for RoPE from llama.cpp's keys and ``rope_freqs`` tensor."""
+def from_gguf(g: GGUFFile, head_dim: int) -> dict:
+    """ModelConfig fields for RoPE from llama.cpp's keys and ``rope_freqs`` tensor, which
+    it reads as llama.cpp does (a factor without a type is linear). Raises
+    ModelLoadError for what it cannot compute."""
+    try:
+        return _gguf_fields(g, head_dim)
+    except ValueError as exc:
+        raise ModelLoadError(g.path, str(exc)) from None
+
+
+def _gguf_fields(g: GGUFFile, head_dim: int) -> dict:
     fields: dict = {}
-    kind = str(g.get("rope.scaling.type", "none") or "none")
     factor = float(g.get("rope.scaling.factor", 0.0) or 0.0)
+    if not factor and g.get("rope.scale_linear"):  # the key before rope.scaling.*
+        factor = float(g.get("rope.scale_linear"))
+    kind = str(g.get("rope.scaling.type", "linear" if factor else "none") or "none")
     if kind in ("linear", "yarn") and factor and factor != 1.0:
         attn = g.get("rope.scaling.attn_factor")
         fields["rope_scaling"] = RopeScaling(
@@ -158,5 +171,7 @@ def from_gguf(g, head_dim: int) -> dict:
                 f"rope_freqs has shape {list(ref.shape)} ({ref.qtype.name}), "
                 f"expected [{head_dim // 2}] F32"
             )
+        if kind == "yarn":
+            raise ValueError("unsupported rope scaling: yarn with a rope_freqs tensor")
         fields["rope_freq_factors"] = tuple(_small_tensor(ref).tolist())
     return fields

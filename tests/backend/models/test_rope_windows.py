@@ -129,3 +129,47 @@ def test_unsupported_rope_scaling_is_named(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelLoadError, match="unsupported rope scaling 'longrope'"):
         load_model(folder)
+
+
+def test_windows_are_read_as_each_family_reads_them() -> None:
+    from backend.models.registry import family
+
+    base = {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_experts": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "sliding_window": 5,
+    }
+    # Mixtral has no flag: a window is a window.
+    assert family("mixtral").config_from_hf(base).window_layers == (True,) * 4
+    # Qwen's flag defaults to false, as in transformers.
+    assert family("qwen3_moe").config_from_hf(base).sliding_window == 0
+    on = {**base, "use_sliding_window": True}
+    assert family("qwen3_moe").config_from_hf(on).window_layers == (True,) * 4
+    # Qwen2-MoE configs without layer_types: even layers below max_window_layers.
+    old = {**on, "max_window_layers": 3}
+    assert family("qwen2_moe").config_from_hf(old).window_layers == (True, False, True, False)
+
+
+def test_gguf_rope_keys_read_as_llama_cpp_reads_them(tmp_path: Path) -> None:
+    from backend.errors import ModelLoadError
+    from backend.formats.gguf import GGUFFile
+    from backend.models import rope
+
+    def fields(meta: dict) -> dict:
+        g = GGUFFile(tmp_path / "m.gguf", {"general.architecture": "llama", **meta}, {})
+        return rope.from_gguf(g, 16)
+
+    assert fields({}) == {}
+    # A factor without a type is linear; so is the key before rope.scaling.*.
+    assert fields({"llama.rope.scaling.factor": 4.0})["rope_scaling"].kind == "linear"
+    assert fields({"llama.rope.scale_linear": 2.0})["rope_scaling"].factor == 2.0
+    with pytest.raises(ModelLoadError, match="unsupported rope scaling 'longrope'"):
+        fields({"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0})
