@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,11 @@ class ExpertCache:
         self._held: list[tuple[int, int, Key]] = []  # wanted entries out of their heaps
         self._ranks: list[tuple[float, int, int, int]] | None = None  # see _reuse_victim
         self.guessed: set[Key] = set()  # prefetched entries no job has claimed yet
+        self.n_loading = 0  # entries reserved whose fetch has not completed
+        # Told when an entry becomes ready in its slot, and when a ready or loading entry
+        # leaves its slot (evicted, cancelled): the native decode walk's expert table.
+        self.on_ready: Callable[[Key, int], None] | None = None
+        self.on_gone: Callable[[Key], None] | None = None
 
     # --- queries ------------------------------------------------------------------------
 
@@ -206,6 +211,8 @@ class ExpertCache:
                 return None
             slot = self.slot_of.pop(victim)
             self.stats.evictions += 1
+            if self.on_gone is not None:
+                self.on_gone(victim)
             if victim in self.guessed:
                 self.guessed.discard(victim)
                 self.stats.prefetch_wasted += 1
@@ -215,6 +222,7 @@ class ExpertCache:
         self.ready[slot] = False
         self.refs[slot] = 1
         self.stats.fetches += 1
+        self.n_loading += 1
         return slot
 
     def mark_prefetched(self, key: Key) -> None:
@@ -225,6 +233,9 @@ class ExpertCache:
     def complete(self, key: Key) -> None:
         slot = self.slot_of[key]
         self.ready[slot] = True
+        self.n_loading -= 1
+        if self.on_ready is not None:
+            self.on_ready(key, slot)
         if self.refs[slot] == 0:
             self._make_evictable(key)
 
@@ -232,6 +243,10 @@ class ExpertCache:
         """A fetch that will not complete (abort before start, I/O error): free its slot."""
         slot = self.slot_of.pop(key)
         self._lru.pop(key, None)
+        if not self.ready[slot]:
+            self.n_loading -= 1
+        if self.on_gone is not None:
+            self.on_gone(key)
         if key in self.guessed:
             self.guessed.discard(key)
             self.stats.prefetch_wasted += 1

@@ -5,12 +5,14 @@ Legend: T tokens in the group, D hidden, K top-k, V vocab.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 
 import torch
 
 from backend.engine.experts.eager import EagerExperts
 from backend.engine.request import Request
+from backend.kernels.decode import Walk
 from backend.models.transformer import SeqSlice, Transformer
 
 
@@ -23,6 +25,12 @@ class JobRunner:
         self.t = t
         self.experts = experts
         self.on_route: Callable[[Request], None] = lambda r: None
+        # A layer a walk went through (``run_through``), for each of its requests with
+        # that layer's experts: the cache's uses and hits, as a job there would count them.
+        self.on_pass: Callable[[Request, int, tuple[int, ...]], None] = lambda r, l, n: None
+        # Set by another thread when a message arrives: a walk stops at the next layer.
+        self.stop = ctypes.c_int(0)
+        self._walk: Walk | None = None
 
     def enter(
         self, group: Sequence[Request], layer: int, seqs: Sequence[SeqSlice], h: torch.Tensor
@@ -131,6 +139,68 @@ class JobRunner:
             return done, None
         ends = torch.tensor([r.n for r in done], device=h.device).cumsum(0) - 1
         return done, t.logits(h[ends])
+
+    def walk(self) -> Walk | None:
+        """The native decode walk over this model's layers and the expert backend's table
+        of resident experts; None where the backend keeps none or the kernels do not take
+        the model. Made again if the model's block weights change."""
+        table = getattr(self.experts, "table", None)
+        if table is None or not self.t.config.is_moe:
+            return None
+        blocks = self.t.decode_blocks()
+        kept = self._walk
+        if kept is None or any(a is not b for a, b in zip(kept.blocks, blocks, strict=True)):
+            c = self.t.config
+            moe = [s and not c.shared_expert_size for s in c.sparse_layers]
+            inner = self.experts.experts[0][0].gate.shape[0] if self.experts.experts[0] else 0
+            kept = self._walk = Walk(
+                blocks, moe, table, self.experts.n_table_experts, inner, self.stop
+            )
+        return kept if kept.ok else None
+
+    @torch.inference_mode()
+    def run_through(
+        self, group: Sequence[Request]
+    ) -> tuple[list[Request], torch.Tensor | None] | None:
+        """``run`` for a group of decoding requests, then on through the next layers in one
+        native call (``decode.Walk``) for as long as every expert they route to is resident:
+        the same kernels on the same arguments, so the same bits. Each layer passed counts
+        its experts' uses as a job there would (``on_pass``); the requests end before the
+        first layer with a missing expert (claimed and fetched as usual), or after the last
+        with their logits. None where the walk does not take the group (the caller runs
+        ``run``): it must be the group's own claimed experts that the first layer runs."""
+        walk = self.walk()
+        layer = group[0].layer
+        if (
+            walk is None
+            or not walk.moe[layer]
+            or any(r.n != 1 or r.route_ids is None for r in group)
+        ):
+            return None
+        t, L = self.t, walk.L
+        like = group[0].x.new_empty(t.config.n_kv_heads, 0, t.config.head_dim)
+        caches = [None] * L
+        for layer_after in range(layer + 1, L):
+            caches[layer_after] = [
+                r.kv.reserve(layer_after, r.start, r.start + 1, like) for r in group
+            ]
+        # Fresh contiguous copies: the walk writes its rows' state into them.
+        h, x, ids, w = (
+            torch.cat([getattr(r, name) for r in group]).contiguous()
+            for name in ("h", "x", "route_ids", "route_w")
+        )
+        pos = [r.start for r in group]
+        rope = t.rope_table(max(pos) + 1, h.dtype)
+        reached, trail = walk.run(layer, h, x, ids, w, caches, pos, rope)
+        if reached == layer:
+            return None
+        for passed in range(layer + 1, min(reached, L)):
+            for r, routes in zip(group, trail[passed].tolist(), strict=True):
+                self.on_pass(r, passed, tuple(sorted(set(routes))))
+        if reached < L:
+            self._assign(group, reached, h, x, ids, w)
+            return list(group), None
+        return list(group), t.logits(h)
 
     def _moe(
         self, layer: int, group: Sequence[Request], riders: Sequence[tuple[Request, set[int]]]

@@ -178,6 +178,8 @@ class Engine:
             else None
         )
         self.jobs.on_route = self._on_route
+        self.jobs.on_pass = self._on_pass
+        self._n_routed = sum(len(layer) for layer in model.experts)
         self.fetcher = Fetcher(
             self.store,
             self.slots,
@@ -232,6 +234,7 @@ class Engine:
 
     def submit(self, msg: Submit | Abort | Shutdown) -> None:
         self._wake.put(msg)
+        self.jobs.stop.value = 1  # a walk through the layers stops for it at the next one
 
     def start(self) -> None:
         """Run the loop on its own thread."""
@@ -274,6 +277,7 @@ class Engine:
     def step(self, block: bool = False) -> bool:
         """One iteration: schedule -> run -> postprocess. Returns whether a job ran (a
         split run, ``scheduler.split``, does not count: no request moved on)."""
+        self.jobs.stop.value = 0  # what arrives from here on is drained after the next job
         self._drain(block=False)
         self._admit()
         group = self._schedule()
@@ -425,6 +429,14 @@ class Engine:
         if self.prefetcher:
             self.prefetcher.observe(r)
 
+    def _on_pass(self, r: Request, layer: int, needed: tuple[int, ...]) -> None:
+        """``r`` went through ``layer`` in a walk (``JobRunner.run_through``): its routing,
+        then its claim of those experts, all ready, as a job there counts them."""
+        r.layer, r.needed = layer, needed
+        self._on_route(r)
+        for e in needed:
+            self.cache.record_lookup((layer, e))
+
     def _missing(self, r: Request) -> int:
         return sum(1 for k in r.pending_keys(self.cache.n_slots) if not self.cache.is_present(k))
 
@@ -539,7 +551,19 @@ class Engine:
         for r, subset in ride:
             if not r.claimed:
                 self.claims.ride((layer, e) for e in subset)
-        done, logits = self.jobs.run(group, ride)
+        # Nothing to overlap: every running request is in the group and the link is idle.
+        # The group then walks on through the layers whose experts are all resident in one
+        # native call, as its jobs would run one after another (no other job could come
+        # between them), without the scheduling between them. A prefetcher guesses the
+        # next layer's experts between jobs: it walks only where every expert fits.
+        through = (
+            not ride
+            and len(group) == len(self.running)
+            and not self.cache.n_loading
+            and (self.prefetcher is None or self.cache.n_slots >= self._n_routed)
+        )
+        walked = self.jobs.run_through(group) if through else None
+        done, logits = walked if walked is not None else self.jobs.run(group, ride)
         if self.slots.device.type == "cuda":
             # Kernels reading these slots may still be queued: finish them before the
             # link may overwrite an unpinned slot on its own stream.

@@ -1,4 +1,4 @@
-/* The functions the native library exports (q4_matmul.c, attention.c). Their signatures
+/* The functions the native library exports (q4_matmul.c, attention.c, decode.c). Their signatures
  * are the ctypes argtypes that backend/kernels/native.py sets: change both together.
  * Each returns 0 on success, -1 if out of memory and (attention) -2 for arguments it does
  * not take; see each definition for what it computes.
@@ -30,5 +30,22 @@ int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps
                     float scale, int window, float *out, const float *ffn_w, float *xout,
                     const float *router, int E, float *logits, int k, int norm_topk, int64_t *ids,
                     float *weights, int threads);
+
+/* decode.c: what bevy_decode_run needs besides the rows; native.DecodeArgs mirrors it. */
+typedef struct {
+    int T, D, L, K, E, H, G, dh, inner, interleaved, norm_topk;
+    float eps, scale;
+    const uint64_t *table;    /* [L, E, 4]: an expert's gate, up, down addresses and types
+                                 (the kernels' bits); gate 0: not resident */
+    const uint64_t *layers;   /* [L, 5]: norm, qkv, output, FFN norm, router (0: no block) */
+    const int *layer_ints;    /* [L, 4]: qkv type, output type, window, MoE taken (0 / 1) */
+    const float *cos, *sin;   /* RoPE tables [*, dh / 2] by position */
+    const uint64_t *kbuf, *vbuf; /* [L, T] each row's K and V buffers per layer */
+    const int *caps;          /* [L, T] their capacities */
+    const int *pos;           /* [T] each row's position */
+    const volatile int *stop; /* set by another thread: stop at the next layer */
+} bevy_decode_args;
+int bevy_decode_run(const bevy_decode_args *a, int l0, float *h, float *x, int64_t *ids,
+                    float *w, int64_t *trail, int threads);
 
 #endif /* BEVY_KERNELS_H */

@@ -1,6 +1,7 @@
 """Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q8_0 weights and for decoding
 attention, in C: ``q4_matmul.c`` (the products, one expert, a MoE layer's experts),
-``attention.c`` (decoding attention and the attention block) and the headers both include
+``attention.c`` (decoding attention and the attention block), ``decode.c`` (a decoding
+group's walk through the layers over those two; ``decode.py``) and the headers they include
 (``simd.h``: vector helpers; ``kernels.h``: the exported functions, whose signatures are the
 ctypes argtypes set below). They are compiled together into one library with the system C
 compiler on first use and cached per machine. What they were measured to take is in
@@ -67,7 +68,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 # The C files compiled together into the one library, and the headers they include (which
 # go into the build's key too: an edit to a header builds the library again).
-SOURCES = ("q4_matmul.c", "attention.c")
+SOURCES = ("q4_matmul.c", "attention.c", "decode.c")
 HEADERS = ("simd.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20}
@@ -188,6 +189,8 @@ def build(
     lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, ptr, i32, i32, i32, f32, i32, ptr]
     lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, i32, ptr, i32, i32, ptr, ptr, i32]
     lib.bevy_attn_block.restype = i32
+    lib.bevy_decode_run.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.bevy_decode_run.restype = i32
     return lib
 
 

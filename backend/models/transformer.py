@@ -109,7 +109,7 @@ class Transformer:
         c = config
         # The frequencies, and the factor cos and sin are scaled by (YaRN's; else 1).
         self._inv_freq, self._rope_scale = rope.inv_freq(c, device)
-        # dtype -> (cos, sin) [P, Dh/2] for positions 0..P-1 (see ``_rope_table``)
+        # dtype -> (cos, sin) [P, Dh/2] for positions 0..P-1 (see ``rope_table``)
         self._rope_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         # (layer, ffn, router) -> (the weights it was made of, the native attention block's
         # weights or None): see ``_block_weights``
@@ -131,7 +131,7 @@ class Transformer:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w["token_embd"][ids]  # [T, D]
 
-    def _rope_table(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_table(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [P, Dh/2] of positions 0..P-1, P >= ``end``, grown by doubling.
 
         A decoding step then slices its angles out instead of computing them (seven small
@@ -194,7 +194,7 @@ class Transformer:
         if c.qk_norm == "head":
             q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
             k = rms_norm(k, w[p + "attn_k_norm"], c.rms_eps)
-        table = self._rope_table(max(s.start + s.n for s in seqs), q.dtype)
+        table = self.rope_table(max(s.start + s.n for s in seqs), q.dtype)
         if len(seqs) == 1:
             cos, sin = (t[seqs[0].start : seqs[0].start + T] for t in table)  # [T, Dh/2]
         else:
@@ -358,8 +358,18 @@ class Transformer:
         c = self.config
         like = h.new_empty(c.n_kv_heads, 0, c.head_dim)
         caches = [s.kv.reserve(layer, s.start, s.start + 1, like) for s in seqs]
-        rope = self._rope_table(max(s.start for s in seqs) + 1, h.dtype)
+        rope = self.rope_table(max(s.start for s in seqs) + 1, h.dtype)
         return native.attention_block(h, blk, rope, caches, [s.start for s in seqs])
+
+    def decode_blocks(self) -> list[native.BlockWeights | None]:
+        """Each sparse layer's native attention block with its FFN norm, router and top-k,
+        the one ``attention_route`` runs for decoding rows; None for dense layers and where
+        the kernels do not take the layer or its router."""
+        out = []
+        for layer, sparse in enumerate(self.config.sparse_layers):
+            blk = self._block_weights(layer, True, True) if sparse else None
+            out.append(blk if blk is not None and blk.topk is not None else None)
+        return out
 
     def _block_weights(self, layer: int, ffn: bool, router: bool) -> native.BlockWeights | None:
         """The layer's ``native.BlockWeights``, or None where the native block does not

@@ -10,6 +10,7 @@ each expert alone on its rows, scaled and added in expert order.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +33,31 @@ class NativeExperts(EagerExperts):
         super().__init__(*args, **kwargs)
         # (layer, expert) -> (the layout its bits were checked for, the kernels' type bits)
         self._kinds: dict[tuple[int, int], tuple[tuple, int]] = {}
+        # The resident experts as the native decode walk reads them (``decode.Walk``):
+        # [layer, expert] -> gate, up, down addresses and type bits; 0s while absent. The
+        # cache says when an entry becomes ready or leaves its slot, on the engine
+        # thread, which is also the only one that walks: the table never lags.
+        n_experts = max((len(layer) for layer in self.experts), default=0)
+        self.n_table_experts = n_experts
+        self.table = (ctypes.c_uint64 * (4 * len(self.experts) * n_experts))()
+        self.cache.on_ready, self.cache.on_gone = self._resident, self._gone
+        for key, slot in self.cache.slot_of.items():
+            if self.cache.ready[slot]:
+                self._resident(key, slot)
+
+    def _resident(self, key: tuple[int, int], slot: int) -> None:
+        at = self.layouts.get(key)
+        bits = None if at is None else self._bits(key, at)
+        if bits is None:  # the walk stops before this expert; the layer path takes it
+            self._gone(key)
+            return
+        row = self.slots.data_ptr() + slot * self.slots.stride(0)
+        i = 4 * (key[0] * self.n_table_experts + key[1])
+        self.table[i : i + 4] = [row + at[0], row + at[1], row + at[2], bits]
+
+    def _gone(self, key: tuple[int, int]) -> None:
+        i = 4 * (key[0] * self.n_table_experts + key[1])
+        self.table[i : i + 4] = [0, 0, 0, 0]
 
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > NATIVE_MAX_ROWS:

@@ -287,3 +287,27 @@ def test_riding_counts_hits_without_pins() -> None:
     claims.claim(group, [(0, 1), (0, 2)])  # two misses, fetched for the group
     claims.ride([(0, 1), (0, 2)])
     assert (c.stats.hits, c.stats.misses) == (2, 2) and sum(c.refs) == 2
+
+
+def test_loading_count_and_slot_changes_are_reported() -> None:
+    """``n_loading`` counts fetches in flight; ``on_ready`` and ``on_gone`` report every
+    entry that becomes ready in a slot and every one that leaves it (the native decode
+    walk's table of resident experts follows them)."""
+    c = ExpertCache(2, "lru")
+    seen: list[tuple] = []
+    c.on_ready = lambda key, slot: seen.append(("ready", key, slot))
+    c.on_gone = lambda key: seen.append(("gone", key))
+    a, b, d = (0, 0), (0, 1), (1, 0)
+    slot_a = c.reserve(a)
+    c.reserve(b)
+    assert c.n_loading == 2
+    c.complete(a)
+    c.unpin(a)
+    assert c.n_loading == 1 and seen == [("ready", a, slot_a)]
+    c.cancel(b)  # a fetch that failed
+    assert c.n_loading == 0 and seen[-1] == ("gone", b)
+    c.reserve(d)  # the free slot
+    c.complete(d)
+    c.unpin(d)
+    c.reserve((2, 0))  # evicts a, the least recently used
+    assert seen[-1] == ("gone", a) and c.n_loading == 1
