@@ -399,6 +399,12 @@ def moe(
     return y, parts
 
 
+# Rows of one expert up to which ``expert_mlp`` (eight rows at a time, the weights read
+# from their blocks for each eight) beats dequantizing the expert and multiplying by BLAS,
+# measured with the experts out of the CPU's cache (docs/performance.md). Past it, an
+# expert is dequantized once for all its rows.
+EXPERT_MAX_ROWS = 128
+
 # ``attention``: the most query heads per kv head the kernel takes (``ATT_MAX_REP``).
 ATTN_MAX_REP = 16
 

@@ -224,7 +224,7 @@ def generate(
         raise BevyError(
             f"the prompt has {len(prompt_ids)} tokens; the model's context is {cfg.context_length}"
         )
-    get_expert = get_expert or model.resident_experts().get
+    get_expert = get_expert or model.resident_experts(native=True).for_compute
     gen = make_generator(params)
     kv = KVCache(cfg.n_layers)
     decoder = tok.stream_decoder() if tok else None
@@ -292,7 +292,7 @@ def greedy_reference(
     """Plain in-memory greedy decoding of several prompts as one batch, ``steps`` tokens each
     (EOS ignored): the reference every engine policy must reproduce."""
     t = model.transformer
-    get_expert = get_expert or model.resident_experts().get
+    get_expert = get_expert or model.resident_experts(native=True).for_compute
     kvs = [KVCache(model.config.n_layers) for _ in prompts]
     seqs = [SeqSlice(kv, 0, len(p)) for kv, p in zip(kvs, prompts, strict=True)]
     logits = t.forward(

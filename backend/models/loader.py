@@ -45,9 +45,13 @@ class LoadedModel:
     size_bytes: int
     dense_refs: dict[str, TensorRef]  # canonical name -> where the resident weight came from
 
-    def resident_experts(self, budget_mib: int = 3072) -> ResidentExperts:
+    def resident_experts(self, budget_mib: int = 3072, native: bool = False) -> ResidentExperts:
+        """The experts for plain generation; with ``native``, Q4 ones applied from their
+        stored bytes where the kernels build (``ResidentExperts``)."""
         t = self.transformer
-        return ResidentExperts(self.files, self.experts, t.dtype, t.device, budget_mib << 20)
+        return ResidentExperts(
+            self.files, self.experts, t.dtype, t.device, budget_mib << 20, native=native
+        )
 
 
 def _gguf_layout(

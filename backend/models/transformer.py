@@ -21,9 +21,9 @@ from backend.kernels import native
 from backend.kernels.dense import FusedWeight, dense_linear, warm_up_dense
 from backend.models import rope
 from backend.models.config import ModelConfig
-from backend.models.weights import ExpertRef, ExpertWeights
+from backend.models.weights import ExpertRef, ExpertWeights, StoredExpert
 
-GetExpert = Callable[[int, int], ExpertWeights]
+GetExpert = Callable[[int, int], ExpertWeights | StoredExpert]
 
 
 @dataclass
@@ -444,8 +444,13 @@ class Transformer:
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.expert_mlp(get_expert(layer, e), x[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y)
+            expert = get_expert(layer, e)
+            if isinstance(expert, StoredExpert):  # the kernel on its bytes, up to its rows
+                y = expert(x[rows])
+                expert = expert.weights() if y is None else None
+            if expert is not None:
+                y = self.expert_mlp(expert, x[rows])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 
     def shared_expert(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:

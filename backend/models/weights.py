@@ -62,11 +62,35 @@ def dequantize_slot(
     return out[0], out[1], out[2]
 
 
-class ResidentExperts:
-    """All experts readable from memory-mapped files, dequantized on use.
+class StoredExpert:
+    """An expert applied straight from its stored Q4_0 / Q4_1 bytes by the native kernel
+    (``native.expert_mlp``, what the engine's native backend runs), for up to
+    ``native.EXPERT_MAX_ROWS`` rows; more rows (a prompt) go through its dequantized
+    weights, where BLAS is the faster product. ``Transformer.moe`` calls it on its rows."""
 
-    The plain (non-offloading) path: dequantized weights are kept in an LRU bounded by
-    ``budget_bytes`` because dequantizing every expert on every token dominates otherwise.
+    def __init__(self, parts: tuple, dequantized) -> None:
+        self.parts = parts  # ((raw bytes, qtype, shape) of gate, up, down)
+        self._dequantized = dequantized  # () -> ExpertWeights
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """down(silu(gate(x)) * up(x)) by the kernel; None past its rows (the caller then
+        multiplies ``weights()``)."""
+        from backend.kernels import native
+
+        return native.expert_mlp(self.parts, x) if x.shape[0] <= native.EXPERT_MAX_ROWS else None
+
+    def weights(self) -> ExpertWeights:
+        return self._dequantized()
+
+
+class ResidentExperts:
+    """All experts readable from memory-mapped files.
+
+    The plain (non-offloading) path. With ``native`` (where the C kernels build, on the
+    CPU in float32), Q4_0 / Q4_1 experts are applied from their mapped bytes
+    (``StoredExpert``), as the engine applies them; others are dequantized on use and kept
+    in an LRU bounded by ``budget_bytes``, because dequantizing every expert on every token
+    dominates otherwise.
     """
 
     def __init__(
@@ -76,6 +100,7 @@ class ResidentExperts:
         dtype: torch.dtype,
         device: torch.device,
         budget_bytes: int,
+        native: bool = False,
     ) -> None:
         self.files = files
         self.experts = experts
@@ -84,6 +109,33 @@ class ResidentExperts:
         self.budget_bytes = budget_bytes
         self._lru: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
         self._bytes = 0
+        self._native = native and device.type == "cpu" and dtype == torch.float32
+        self._stored: dict[tuple[int, int], StoredExpert | None] = {}
+
+    def stored(self, layer: int, expert: int) -> StoredExpert | None:
+        """The expert as a ``StoredExpert`` where the native kernel takes it, else None."""
+        key = (layer, expert)
+        if not self._native:
+            return None
+        if key not in self._stored:
+            from backend.kernels import native
+
+            ref = self.experts[layer][expert]
+            kinds = tuple((p.qtype, tuple(p.shape), p.nbytes) for p in ref.parts)
+            ok = native.available() and native.mlp_types(kinds) is not None
+            parts = tuple((self.files.bytes_of(p), p.qtype, tuple(p.shape)) for p in ref.parts)
+            self._stored[key] = StoredExpert(parts, lambda: self.get(layer, expert)) if ok else None
+        return self._stored[key]
+
+    @property
+    def n_cached(self) -> int:
+        """Experts held dequantized now."""
+        return len(self._lru)
+
+    def for_compute(self, layer: int, expert: int) -> ExpertWeights | StoredExpert:
+        """What ``Transformer.moe`` applies: the stored expert where the kernel takes it,
+        else its dequantized weights (``get``)."""
+        return self.stored(layer, expert) or self.get(layer, expert)
 
     def raw(self, ref: ExpertRef) -> torch.Tensor:
         return torch.cat([self.files.bytes_of(p) for p in ref.parts])

@@ -19,11 +19,8 @@ from backend.engine.experts.eager import EagerExperts
 from backend.engine.request import Request
 from backend.kernels import native
 
-# Rows of one expert up to which the kernels (eight rows at a time, the weights read
-# from their blocks for each eight) beat dequantizing the expert and multiplying by BLAS,
-# measured with the experts out of the CPU's cache (docs/performance.md). Past it, a
-# prompt's expert is dequantized once for all its rows.
-NATIVE_MAX_ROWS = 128
+# Past this many rows, a prompt's expert is dequantized once for all its rows (see there).
+NATIVE_MAX_ROWS = native.EXPERT_MAX_ROWS
 
 
 class NativeExperts(EagerExperts):

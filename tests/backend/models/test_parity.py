@@ -186,3 +186,29 @@ def test_decoding_row_beside_a_prompt_gets_its_bits_alone(
                 continue
             assert torch.equal(m[:1], one)
             assert (m[1:].double() - rest.double()).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1])
+def test_plain_generation_applies_q4_experts_from_their_bytes(
+    tiny_dir: dict[str, Path], tmp_path: Path, monkeypatch, qtype: QType
+) -> None:
+    """``bevy generate`` and the bench's reference (``resident_experts(native=True)``)
+    apply Q4 experts with the native kernel on their mapped bytes, a prompt's experts with
+    more rows than the kernel takes through their dequantized weights: the logits of
+    dequantizing every expert, within float32 rounding."""
+    from backend.models.weights import StoredExpert
+
+    if not native.available():
+        pytest.skip("no native Q4 kernels here (x86-64 with AVX2 and a C compiler)")
+    model = load_model(write_gguf(load_model(tiny_dir["mixtral"]), tmp_path / "q.gguf", qtype))
+    monkeypatch.setattr(native, "EXPERT_MAX_ROWS", 4)  # the 7-token prompt: some past it
+    kernel = spy(monkeypatch, native, "expert_mlp")
+    resident = model.resident_experts(native=True)
+    assert isinstance(resident.for_compute(0, 0), StoredExpert)
+    ids, ours = greedy_logits(model, PROMPT, steps=8, get_expert=resident.for_compute)
+    ids0, ref = greedy_logits(model, PROMPT, steps=8)  # every expert dequantized
+    assert ids == ids0
+    assert (ours - ref).abs().max().item() <= 1e-4
+    rows = [args[1].shape[0] for args, out in kernel if out is not None]
+    assert rows and max(rows) <= 4
+    assert resident.n_cached > 0  # the prompt's busier experts, dequantized
