@@ -655,6 +655,11 @@ class Engine:
         )
         r.staged, r.emb = [], None
         self._ids.discard(r.id)
+        if self.idle:
+            # The last request out: its tokens are in the snapshot that pollers
+            # (/v1/stats, the panels) hold before its end reaches the client.
+            self._last_metrics = time.perf_counter()
+            self._emit(self.snapshot(self._last_metrics))
         self._emit(
             Finished(
                 r.id,
