@@ -20,11 +20,12 @@ POLICIES = (
     "bevy-srtf",
     "bevy+prefetch-gate",
     "bevy-nosplit",
+    "bevy-nobalance",
 )
 
 # One line each, for the app's compare view and `bevy bench --help`-style listings.
 POLICY_NOTES = {
-    "bevy": "Runahead: ready requests compute layer by layer while the link fetches only experts some request has already selected.",
+    "bevy": "Runahead: ready requests compute layer by layer while the link fetches only experts some request has already selected; held together while compute is the bottleneck.",
     "sync": "llama.cpp-like: all requests advance together; each layer waits for its missing experts to load.",
     "prefetch-gate": "Applies the next layer's router to this layer's hidden state and loads the guessed experts while the link is idle.",
     "prefetch-history": "Guesses the next layer's experts from recorded layer-to-layer co-activation and loads them ahead.",
@@ -33,12 +34,15 @@ POLICY_NOTES = {
     "bevy-srtf": "Ablation: runahead fetching for the job with the fewest missing experts first, globally.",
     "bevy+prefetch-gate": "Runahead plus gate prefetching on the idle link.",
     "bevy-nosplit": "Ablation: runahead where a waiting job never applies its cached experts early.",
+    "bevy-nobalance": "Ablation: runahead even while compute is the bottleneck and the link idles (bevy then holds requests together).",
 }
 
 
 def policy_fields(name: str) -> dict[str, object]:
     """``scheduler.Policy``'s fields for the policy ``name``; ValueError if unknown."""
     if name == "bevy":
+        return dict(balance=True)
+    if name == "bevy-nobalance":
         return {}
     if name == "sync":
         return dict(lockstep=True, ride=False, split=False)

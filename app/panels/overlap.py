@@ -152,7 +152,9 @@ class OverlapPanel(ThemedPanel):
         self.runahead_label.setToolTip(
             "on: requests advance layer by layer on their own, so the link fetches what "
             "is known to be needed while compute runs others. limited: the cache is too "
-            "small for every request's experts at once. off: a lockstep policy (sync)."
+            "small for every request's experts at once. held: compute is the bottleneck "
+            "and the link idles, so requests advance together in bigger batches. off: a "
+            "lockstep policy (sync)."
         )
 
         self.plot = make_plot(theme)

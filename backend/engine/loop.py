@@ -28,6 +28,7 @@ import torch
 
 from backend.config import EngineConfig, parse_cache_size
 from backend.engine import experts
+from backend.engine.balance import WINDOW_S, Balancer
 from backend.engine.cache import Claims, ExpertCache
 from backend.engine.fetcher import Fetcher
 from backend.engine.jobs import JobRunner
@@ -207,6 +208,7 @@ class Engine:
         self.kv_bytes_per_token = (
             2 * c.n_layers * c.n_kv_heads * c.head_dim * model.transformer.dtype.itemsize
         )
+        self.balancer = Balancer() if self.policy.balance else None
         self._thread: threading.Thread | None = None
         # Tests set this to a dict to receive every request's logits (exactness checks).
         self.logits_log: dict[str, list[torch.Tensor]] | None = None
@@ -288,7 +290,11 @@ class Engine:
             self._run(group)
             if self._contended:
                 self._other_s += time.perf_counter() - t0
-        elif self.policy.split and (part := split(self.running, self.cache.is_ready)):
+        elif (
+            self.policy.split
+            and not self._held
+            and (part := split(self.running, self.cache.is_ready))
+        ):
             self._run_split(part)
         elif block or self.running:
             self._drain(block=True, timeout=0.05 if self.running else 0.2)
@@ -478,11 +484,15 @@ class Engine:
                 if not r.ready_since:
                     r.ready_since = self._tick
                 ready.append(r)
+        together = self._held
+        # Held together, a long prompt read in slices is not part of the batch: its slices
+        # go beside it as before, never holding it up for a whole prefill.
+        batch = [r for r in self.running if not self._sliced(r)] if together else self.running
         sliced = [r for r in ready if self._sliced(r)]
         if not sliced:
-            return self.policy.compute_group(self.running, ready)
+            return self.policy.compute_group(batch, ready, together)
         others = [r for r in ready if not self._sliced(r)]
-        group = self.policy.compute_group(self.running, others) if others else []
+        group = self.policy.compute_group(batch, others, together) if others else []
         return self._pick(min(sliced, key=lambda r: r.arrival), group)
 
     def _sliced(self, r: Request) -> bool:
@@ -680,6 +690,11 @@ class Engine:
 
     def _maybe_metrics(self) -> None:
         now = time.perf_counter()
+        if self.balancer is not None and self.balancer.due(now):
+            w = self.telemetry.window(now - WINDOW_S, now)
+            self.balancer.update(
+                now, w["link_busy_frac"], w["compute_busy_frac"], len(self.running)
+            )
         if now - self._last_metrics >= self.config.metrics_interval_s:
             self._last_metrics = now
             self._emit(self.snapshot(now))
@@ -695,9 +710,18 @@ class Engine:
             "dense_bytes": self._dense_bytes,
         }
 
+    @property
+    def _held(self) -> bool:
+        """Requests advance together (``balance``): no split runs either, since applying
+        a waiting job's cached experts early is the same smaller-batch compute that
+        holding them together saves."""
+        return self.balancer is not None and self.balancer.together
+
     def runahead_state(self) -> str:
         if self.policy.lockstep:
             return "off"
+        if self._held:
+            return "held"
         need = sum(len(r.needed) for r in self.running)
         return "on" if need <= self.cache.n_slots else "limited"
 

@@ -4,7 +4,8 @@ Pure Python over ``Request`` state, so every policy is tested without torch work
 
 - ``bevy``: compute all ready jobs at the lowest ready layer (opportunistic layerwise
   grouping); claim/fetch for the blocked job with the lowest layer first, ties broken by
-  fewest missing experts (SRTF). Requests at that layer still waiting for other experts
+  fewest missing experts (SRTF). While compute is the bottleneck and the link idles,
+  the requests advance together instead (``backend.engine.balance``). Requests at that layer still waiting for other experts
   ride along on the experts they share with the group (``ride``). When no job is ready,
   waiting decoding jobs apply the experts they already have (``split``).
 - ``sync``: llama.cpp-like: all running requests advance as one batch, layer by layer;
@@ -14,7 +15,8 @@ Pure Python over ``Request`` state, so every policy is tested without torch work
 - Ablations: ``bevy-static:K`` (fixed groups of K requests advance together),
   ``bevy-fifo`` (compute the longest-ready job's layer first), ``bevy-srtf`` (fetch by
   fewest missing experts globally, ignoring layers), ``bevy+prefetch-gate``,
-  ``bevy-nosplit`` (a waiting job never applies its cached experts early; see ``split``).
+  ``bevy-nosplit`` (a waiting job never applies its cached experts early; see ``split``),
+  ``bevy-nobalance`` (runahead even when compute is the bottleneck).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class Policy:
     # already in the cache (see ``split``): the compute lane works while the
     # link loads the rest, and the job has less left to do when they arrive.
     split: bool = True
+    # Requests advance together while compute is the bottleneck and the link idles
+    # (``backend.engine.balance``): runahead's smaller batches would only cost compute.
+    balance: bool = False
 
     def claim_order(
         self, blocked: Sequence[Request], missing: Missing, low_layer: int = 0
@@ -68,11 +73,17 @@ class Policy:
             return (missing, r.layer, tick)
         return (r.layer, missing, tick)
 
-    def compute_group(self, running: Sequence[Request], ready: Sequence[Request]) -> list[Request]:
-        """The requests whose jobs run now as one batch (empty: wait for fetches)."""
+    def compute_group(
+        self, running: Sequence[Request], ready: Sequence[Request], together: bool = False
+    ) -> list[Request]:
+        """The requests whose jobs run now as one batch (empty: wait for fetches).
+        ``together``: the batch at the lowest layer waits for all of its claimed jobs, as
+        lockstep's does (``bevy`` while compute is the bottleneck: ``engine.balance``);
+        where none of it can run (its jobs unclaimed: the cache's slots are pinned by jobs
+        further on, which runahead claimed), the lowest ready layer runs, releasing them."""
         if not ready:
             return []
-        if self.lockstep:
+        if self.lockstep or together:
             # The batch at its lowest layer moves together once every claimed job is ready.
             # Jobs the cache could not take this round (unclaimed) follow in a later
             # round of the same layer: the safe fallback when the cache is too small.
@@ -81,7 +92,9 @@ class Policy:
             ready_ids = {id(r) for r in ready}
             if any(r.claimed and id(r) not in ready_ids for r in batch):
                 return []
-            return [r for r in batch if id(r) in ready_ids]
+            members = [r for r in batch if id(r) in ready_ids]
+            if members or self.lockstep:
+                return members
         if self.group_size:
             return self._static_group(running, ready)
         if self.compute_order == "fifo":

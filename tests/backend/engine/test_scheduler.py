@@ -55,6 +55,21 @@ def test_sync_moves_the_whole_batch_only_when_all_claimed_jobs_are_ready() -> No
     assert p.claim_order([rs[2], ahead], lambda r: 0, low_layer=4) == [rs[2]]
 
 
+def test_bevy_held_together_waits_for_the_lowest_layer_unless_it_cannot_claim() -> None:
+    p = make_policy("bevy")
+    rs = [req(0, 2), req(1, 2), req(2, 5)]
+    # Runahead: the ready job at layer 5 would go while r1 waits for its experts.
+    assert p.compute_group(rs, [rs[0], rs[2]]) == [rs[0]]
+    assert p.compute_group(rs, [rs[2]]) == [rs[2]]
+    # Held: r1's experts are on their way, so everyone waits for it ...
+    assert p.compute_group(rs, [rs[0], rs[2]], together=True) == []
+    assert p.compute_group(rs, rs, together=True) == [rs[0], rs[1]]
+    # ... but where the lowest layer cannot claim (the cache's slots pinned by jobs
+    # further on), those jobs run and release them.
+    rs[0].claimed = rs[1].claimed = False
+    assert p.compute_group(rs, [rs[2]], together=True) == [rs[2]]
+
+
 def test_static_groups_advance_together() -> None:
     p = make_policy("bevy-static:2")
     rs = [req(0, 3), req(1, 3), req(2, 1), req(3, 1)]
