@@ -121,6 +121,7 @@ class Engine:
                 dtype,
                 use_native=config.native,
                 use_compile=config.compile,
+                plain=model.config.plain_experts,
             )
         except BevyError:
             self.store.close()

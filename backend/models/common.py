@@ -25,6 +25,8 @@ class Family:
     config_from_gguf: Callable[[GGUFFile], ModelConfig]
     hf_moe_prefix: str = "mlp"
     hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # Canonical tensor base names this family's GGUF files call otherwise.
+    gguf_renames: dict[str, str] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
 
@@ -141,12 +143,25 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "attn_output": (D, q), p + "ffn_norm": (D,)}
         if c.attn_bias:
             shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        if c.attn_out_bias:
+            shapes[p + "attn_output.bias"] = (D,)
+        if c.attn_sinks:
+            shapes[p + "attn_sinks"] = (c.n_heads,)
         if c.qk_norm == "head":
             shapes |= {p + "attn_q_norm": (c.head_dim,), p + "attn_k_norm": (c.head_dim,)}
         elif c.qk_norm == "full":
             shapes |= {p + "attn_q_norm": (q,), p + "attn_k_norm": (kv,)}
         if c.sparse_layers[i]:
             shapes[p + "ffn_gate_inp"] = (c.n_experts, D)
+            if c.router_bias:
+                shapes[p + "ffn_gate_inp.bias"] = (c.n_experts,)
+            if c.expert_bias:  # small, so resident with the dense weights
+                E, I = c.n_experts, c.expert_intermediate_size
+                shapes |= {
+                    p + "ffn_gate_exps.bias": (E, I),
+                    p + "ffn_up_exps.bias": (E, I),
+                    p + "ffn_down_exps.bias": (E, D),
+                }
             if c.shared_expert_size:
                 S = c.shared_expert_size
                 shapes |= {

@@ -48,6 +48,18 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] = ()  # GGUF rope_freqs: per-pair frequency divisors
     sliding_window: int = 0  # keys a sliding layer's query sees: its own and the W-1 before
     window_layers: tuple[bool, ...] = field(default=())  # True where a layer slides
+    # gpt-oss: a learned logit per head that takes a share of each softmax (``attn_sinks``),
+    # a bias on the attention output, a biased router whose top-k logits are softmaxed
+    # ("topk"; else "all": softmax over every expert, then top-k), and experts with biases
+    # and the clamped SwiGLU (``expert_act`` "swiglu_oai": alpha, limit).
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
+    router_bias: bool = False
+    router_softmax: str = "all"
+    expert_act: str = "silu"
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim")
@@ -77,8 +89,18 @@ class ModelConfig:
             object.__setattr__(self, "window_layers", (self.sliding_window > 0,) * self.n_layers)
         if len(self.window_layers) != self.n_layers:
             raise ValueError("window_layers must have one entry per layer")
+        if self.router_softmax not in ("all", "topk"):
+            raise ValueError(f"router_softmax must be 'all' or 'topk', got {self.router_softmax!r}")
+        if self.expert_act not in ("silu", "swiglu_oai"):
+            raise ValueError(f"expert_act must be 'silu' or 'swiglu_oai', got {self.expert_act!r}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors must have {self.head_dim // 2} entries")
+
+    @property
+    def plain_experts(self) -> bool:
+        """Experts are SiLU-gated MLPs without biases: what the native, compiled and grouped
+        expert kernels compute (the others run eagerly)."""
+        return self.expert_act == "silu" and not self.expert_bias
 
     @property
     def is_moe(self) -> bool:

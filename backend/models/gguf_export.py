@@ -22,10 +22,13 @@ _ARCH = {
     "qwen3_moe": "qwen3moe",
     "olmoe": "olmoe",
     "qwen2_moe": "qwen2moe",
+    "gpt_oss": "gpt-oss",
 }
+# Canonical names llama.cpp calls otherwise, per family.
+_RENAMES = {"gpt_oss": {"ffn_norm": "post_attention_norm"}}
 # Kept in F32 whatever the target type, as llama.cpp's converter does: tensors whose
 # names contain these, and the embedding and output head themselves (not attn_output).
-_KEEP_F32 = ("_norm", "ffn_gate_inp", ".bias")
+_KEEP_F32 = ("_norm", "ffn_gate_inp", ".bias", "attn_sinks")
 _KEEP_F32_NAMES = ("token_embd", "output")
 
 
@@ -72,14 +75,77 @@ def _add_rope_scaling(w: gguf.GGUFWriter, c: ModelConfig) -> None:
 
 def write_gguf(model, out: str | Path, qtype: QType = QType.F32) -> Path:
     """``model`` is a ``LoadedModel``; experts are written fused (``ffn_*_exps``)."""
-    c: ModelConfig = model.config
+    resident = model.resident_experts(budget_mib=0)
+
+    def experts(layer: int) -> list:
+        return [resident.get(layer, e) for e in range(len(model.experts[layer]))]
+
+    dense = {k: v for k, v in model.transformer.w.items()}
+    return _write(model.config, dense, experts, out, qtype)
+
+
+def convert_gpt_oss(folder: str | Path, out: str | Path, qtype: QType = QType.F32) -> Path:
+    """A gpt-oss Hugging Face folder with float weights as a GGUF llama.cpp would write:
+    each layer's fused gate/up (columns interleaved, [E, D, 2I]) split into ``ffn_gate_exps``
+    and ``ffn_up_exps`` [E, I, D], down transposed, their biases apart, names as llama.cpp's."""
+    from backend.formats.safetensors import read_hf_folder
+    from backend.formats.tensors import MappedFiles
+    from backend.models.gpt_oss import config_of_hf
+
+    h = read_hf_folder(folder)
+    c = config_of_hf(h.config)
+    files = MappedFiles()
+    t = {name: files.load(ref) for name, ref in h.tensors.items()}
+    attn = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
+    dense = {
+        "token_embd": t["model.embed_tokens.weight"],
+        "output_norm": t["model.norm.weight"],
+    }
+    if not c.tie_embeddings:
+        dense["output"] = t["lm_head.weight"]
+    stacks: dict[int, list] = {}
+    for i in range(c.n_layers):
+        p, q = f"model.layers.{i}.", f"blk.{i}."
+        dense[q + "attn_norm"] = t[p + "input_layernorm.weight"]
+        dense[q + "ffn_norm"] = t[p + "post_attention_layernorm.weight"]
+        for ours, theirs in attn.items():
+            dense[q + ours] = t[p + f"self_attn.{theirs}.weight"]
+            dense[q + ours + ".bias"] = t[p + f"self_attn.{theirs}.bias"]
+        dense[q + "attn_sinks"] = t[p + "self_attn.sinks"]
+        dense[q + "ffn_gate_inp"] = t[p + "mlp.router.weight"]
+        dense[q + "ffn_gate_inp.bias"] = t[p + "mlp.router.bias"]
+        gate_up, gate_up_bias = (
+            t[p + "mlp.experts.gate_up_proj"],
+            t[p + "mlp.experts.gate_up_proj_bias"],
+        )
+        dense[q + "ffn_gate_exps.bias"] = gate_up_bias[:, 0::2]
+        dense[q + "ffn_up_exps.bias"] = gate_up_bias[:, 1::2]
+        dense[q + "ffn_down_exps.bias"] = t[p + "mlp.experts.down_proj_bias"]
+        gate = gate_up[:, :, 0::2].transpose(1, 2)  # [E, I, D]
+        up = gate_up[:, :, 1::2].transpose(1, 2)
+        down = t[p + "mlp.experts.down_proj"].transpose(1, 2)  # [E, D, I]
+        stacks[i] = [(gate[e], up[e], down[e]) for e in range(c.n_experts)]
+    try:
+        return _write(c, dense, stacks.__getitem__, out, qtype)
+    finally:
+        files.close()
+
+
+def _write(config: ModelConfig, dense: dict, experts, out: str | Path, qtype: QType) -> Path:
+    """Write ``dense`` (canonical name -> tensor) and each sparse layer's ``experts(layer)``
+    ([(gate, up, down)] per expert) as ``out``."""
+    c = config
     arch = _ARCH[c.family]
     out = Path(out)
     w = gguf.GGUFWriter(out, arch)
     w.add_block_count(c.n_layers)
     w.add_context_length(c.context_length)
     w.add_embedding_length(c.hidden_size)
-    ff = c.expert_intermediate_size if c.family in ("mixtral", "olmoe") else c.intermediate_size
+    ff = (
+        c.expert_intermediate_size
+        if c.family in ("mixtral", "olmoe", "gpt_oss")
+        else c.intermediate_size
+    )
     w.add_feed_forward_length(ff)
     w.add_head_count(c.n_heads)
     w.add_head_count_kv(c.n_kv_heads)
@@ -90,7 +156,8 @@ def write_gguf(model, out: str | Path, qtype: QType = QType.F32) -> Path:
     _add_rope_scaling(w, c)
     if c.sliding_window:
         w.add_sliding_window(c.sliding_window)
-        if not all(c.window_layers):
+        alternating = tuple(i % 2 == 0 for i in range(c.n_layers))
+        if not all(c.window_layers) and not (arch == "gpt-oss" and c.window_layers == alternating):
             w.add_sliding_window_pattern(list(c.window_layers))
     w.add_vocab_size(c.vocab_size)
     if c.n_experts:
@@ -100,21 +167,24 @@ def write_gguf(model, out: str | Path, qtype: QType = QType.F32) -> Path:
         w.add_expert_weights_norm(c.norm_topk_prob)
     if c.shared_expert_size:
         w.add_expert_shared_feed_forward_length(c.shared_expert_size)
-    t = model.transformer
-    for canonical, tensor in t.w.items():
+    renames = _RENAMES.get(c.family, {})
+    for canonical, tensor in dense.items():
         if canonical == "output" and c.tie_embeddings:
             continue
         arr = tensor.float().cpu().numpy()
         if arch == "llama" and canonical.split(".")[-1] in ("attn_q", "attn_k"):
             arr = _permute(arr, c.n_heads if canonical.endswith("attn_q") else c.n_kv_heads)
+        if canonical.startswith("blk."):
+            _, layer, rest = canonical.split(".", 2)
+            base, dot, suffix = rest.partition(".")
+            canonical = f"blk.{layer}.{renames.get(base, base)}{dot}{suffix}"
         name = canonical if canonical.endswith(".bias") else canonical + ".weight"
         data, dtype = _encode(arr, name, qtype)
         w.add_tensor(name, data, raw_dtype=dtype)
-    resident = model.resident_experts(budget_mib=0)
-    for layer, row in enumerate(model.experts):
-        if not row:
+    for layer, sparse in enumerate(c.sparse_layers):
+        if not sparse:
             continue
-        weights = [resident.get(layer, e) for e in range(len(row))]
+        weights = experts(layer)
         for i, part in enumerate(("gate", "up", "down")):
             stacked = torch.stack([x[i] for x in weights]).float().numpy()
             name = f"blk.{layer}.ffn_{part}_exps.weight"

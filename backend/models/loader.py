@@ -76,6 +76,10 @@ def _gguf_layout(
             )
 
     def name(canonical: str) -> str:
+        if fam.gguf_renames and canonical.startswith("blk."):
+            _, layer, rest = canonical.split(".", 2)
+            base, dot, suffix = rest.partition(".")
+            canonical = f"blk.{layer}.{fam.gguf_renames.get(base, base)}{dot}{suffix}"
         return canonical if canonical.endswith(".bias") else canonical + ".weight"
 
     def expert(layer: int, e: int) -> tuple[TensorRef, ...]:

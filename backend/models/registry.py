@@ -12,6 +12,7 @@ _MODULES = {
     "qwen3_moe": "backend.models.qwen3_moe",
     "olmoe": "backend.models.olmoe",
     "qwen2_moe": "backend.models.qwen2_moe",
+    "gpt_oss": "backend.models.gpt_oss",
 }
 _HF = {
     "LlamaForCausalLM": "llama",
@@ -19,8 +20,14 @@ _HF = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
-_GGUF = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "qwen2moe": "qwen2_moe"}
+_GGUF = {
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
+    "qwen2moe": "qwen2_moe",
+    "gpt-oss": "gpt_oss",
+}
 
 FAMILIES = tuple(_MODULES)
 HF_ARCHITECTURES = tuple(_HF)

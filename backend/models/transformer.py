@@ -26,6 +26,16 @@ from backend.models.weights import ExpertRef, ExpertWeights, StoredExpert
 GetExpert = Callable[[int, int], ExpertWeights | StoredExpert]
 
 
+def _sink_softmax(att: torch.Tensor, sinks: torch.Tensor, n: int) -> torch.Tensor:
+    """Softmax of scores ``att`` [G, rep*n, S] (kv group, its heads' query rows, keys) with
+    each head's sink logit (``sinks`` [H], H = G*rep) as one more key, dropped after:
+    gpt-oss's attention sinks, the share of attention that goes to no position."""
+    G, rows, _ = att.shape
+    sink = sinks.to(att.dtype).view(G, rows // n, 1, 1).expand(G, rows // n, n, 1)
+    both = torch.cat((att, sink.reshape(G, rows, 1)), -1)
+    return both.softmax(-1)[..., :-1]
+
+
 @dataclass
 class KVCache:
     """One sequence's keys and values, per layer, grown geometrically."""
@@ -206,7 +216,8 @@ class Transformer:
             q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
         out = None
         window = c.window(layer)
-        if decoding:
+        sinks = w.get(p + "attn_sinks")
+        if decoding and sinks is None:
             # One native call writes every row's key and value and attends
             # (``native.attention``), instead of the loop below and its torch ops per row.
             caches = [s.kv.reserve(layer, s.start, s.start + 1, k[i]) for i, s in enumerate(seqs)]
@@ -214,8 +225,7 @@ class Transformer:
                 q, k, v, caches, [s.start for s in seqs], c.head_dim**-0.5, window
             )
         if out is not None:
-            o = self._fused_linear(p + "attn_output", out)
-            return h + (F.linear(out, w[p + "attn_output"]) if o is None else o)
+            return h + self._attn_output(p, out)
         out = torch.empty(T, c.n_heads, c.head_dim, dtype=h.dtype, device=h.device)
         row = 0
         rep = c.n_heads // c.n_kv_heads
@@ -234,7 +244,8 @@ class Transformer:
                 # Decoding: one query per head, no mask. Two batched matmuls and a softmax
                 # cost less than SDPA's math path on CPU.
                 qq = q[row].view(c.n_kv_heads, rep, c.head_dim)
-                att = torch.bmm(qq, kk.transpose(1, 2)).mul_(c.head_dim**-0.5).softmax(-1)
+                att = torch.bmm(qq, kk.transpose(1, 2)).mul_(c.head_dim**-0.5)
+                att = att.softmax(-1) if sinks is None else _sink_softmax(att, sinks, 1)
                 out[row] = torch.bmm(att, vv).view(c.n_heads, c.head_dim)
                 row += 1
                 continue
@@ -254,16 +265,27 @@ class Transformer:
                 if window:
                     mask &= kpos > qpos - window
                 mask = mask.repeat(rep, 1)  # [rep*n, S]
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)  # [G, rep*n, Dh]
+            if sinks is None:
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)  # [G, rep*n, Dh]
+            else:  # SDPA has no sink: the same product and softmax, written out
+                att = torch.bmm(qq, kk.transpose(1, 2)).mul_(c.head_dim**-0.5)
+                if mask is not None:
+                    att = att.masked_fill(~mask, float("-inf"))
+                o = torch.bmm(_sink_softmax(att, sinks, s.n), vv)
             out[row : row + s.n] = (
                 o.view(c.n_kv_heads, rep, s.n, c.head_dim)
                 .permute(2, 0, 1, 3)
                 .reshape(s.n, c.n_heads, c.head_dim)
             )
             row += s.n
-        out = out.reshape(T, -1)
+        return h + self._attn_output(p, out.reshape(T, -1))
+
+    def _attn_output(self, p: str, out: torch.Tensor) -> torch.Tensor:
+        """The attention output projection of ``out`` [T, H*Dh] (and its bias, if any)."""
         o = self._fused_linear(p + "attn_output", out)
-        return h + (F.linear(out, w[p + "attn_output"]) if o is None else o)
+        o = F.linear(out, self.w[p + "attn_output"]) if o is None else o
+        bias = self.w.get(p + "attn_output.bias")
+        return o if bias is None else o + bias
 
     def attention_route(
         self, layer: int, h: torch.Tensor, seqs: Sequence[SeqSlice]
@@ -397,6 +419,8 @@ class Transformer:
             or c.qk_norm
             or c.clip_qkv is not None
             or any(p + n + ".bias" in self.w for n in ("attn_q", "attn_k", "attn_v", "attn_output"))
+            or c.attn_sinks
+            or (router and (c.router_bias or c.router_softmax != "all"))
         ):
             blk = native.BlockWeights(
                 self.w[p + "attn_norm"],
@@ -419,18 +443,39 @@ class Transformer:
         return rms_norm(h, self.w[f"blk.{layer}.ffn_norm"], self.config.rms_eps)
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [T, K] and weights [T, K] (softmax over all, then top-k)."""
-        logits = F.linear(x, self.w[f"blk.{layer}.ffn_gate_inp"]).float()  # [T, E]
+        """Top-k expert ids [T, K] and weights [T, K] (softmax over all, then top-k; or
+        ``router_softmax`` "topk": top-k of the logits, then their softmax)."""
+        p = f"blk.{layer}.ffn_gate_inp"
+        logits = F.linear(x, self.w[p], self.w.get(p + ".bias")).float()  # [T, E]
+        if self.config.router_softmax == "topk":
+            top, ids = logits.topk(self.config.top_k, dim=-1)
+            return ids, top.softmax(-1).to(x.dtype)
         probs = logits.softmax(-1)
         weights, ids = probs.topk(self.config.top_k, dim=-1)
         if self.config.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights.to(x.dtype)
 
-    @staticmethod
-    def expert_mlp(weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+    def expert_mlp(
+        self, weights: ExpertWeights, x: torch.Tensor, layer: int = -1, e: int = -1
+    ) -> torch.Tensor:
+        """The MLP of rows ``x``: SiLU-gated, or for routed expert ``e`` of ``layer`` with
+        ``expert_bias``/``expert_act`` its biases and gpt-oss's clamped SwiGLU."""
         gate, up, down = weights
-        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        c = self.config
+        if c.plain_experts or e < 0:
+            return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        p, w = f"blk.{layer}.", self.w
+        bias = (w[p + f"ffn_{n}_exps.bias"][e] for n in ("gate", "up", "down"))
+        g, u, d = bias if c.expert_bias else (None, None, None)
+        g, u = F.linear(x, gate, g), F.linear(x, up, u)
+        if c.expert_act == "swiglu_oai":
+            g = g.clamp(max=c.swiglu_limit)
+            u = u.clamp(min=-c.swiglu_limit, max=c.swiglu_limit)
+            act = (u + 1) * (g * torch.sigmoid(g * c.swiglu_alpha))
+        else:
+            act = F.silu(g) * u
+        return F.linear(act, down, d)
 
     def moe(
         self,
@@ -446,10 +491,10 @@ class Transformer:
             rows, slot = (ids == e).nonzero(as_tuple=True)
             expert = get_expert(layer, e)
             if isinstance(expert, StoredExpert):  # the kernel on its bytes, up to its rows
-                y = expert(x[rows])
+                y = expert(x[rows]) if self.config.plain_experts else None
                 expert = expert.weights() if y is None else None
             if expert is not None:
-                y = self.expert_mlp(expert, x[rows])
+                y = self.expert_mlp(expert, x[rows], layer, e)
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 

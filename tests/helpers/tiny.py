@@ -51,6 +51,24 @@ FAMILY_CONFIGS = {
             "shared_expert_intermediate_size": 48,
         },
     ),
+    # Layers 0 and 2 slide (its default ``layer_types``); YaRN with llama.cpp's rounded ramp.
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "head_dim": 16,
+            "sliding_window": 5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "truncate": True,
+            },
+        },
+    ),
 }
 
 
@@ -71,6 +89,10 @@ def make_tiny(family: str, folder: Path, **overrides: object) -> Path:
                 p.add_(torch.randn_like(p) * 0.1)
             if "bias" in name:
                 p.normal_(0, 0.1)
+            if name.endswith("sinks"):  # gpt-oss: a real share of each softmax
+                p.normal_(0, 1.0)
+            if name.endswith("gate_up_proj"):  # past gpt-oss's SwiGLU clamp (7) at times
+                p.normal_(0, 1.5)
     model.save_pretrained(folder)
     return folder
 

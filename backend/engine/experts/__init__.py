@@ -59,10 +59,14 @@ def why_not(
     dtype: torch.dtype,
     use_native: bool = True,
     use_compile: bool = True,
+    plain: bool = True,
 ) -> str | None:
-    """Why backend ``name`` cannot run these experts in these slots; None if it can."""
+    """Why backend ``name`` cannot run these experts in these slots; None if it can.
+    ``plain``: the experts are SiLU-gated MLPs without biases (``ModelConfig.plain_experts``)."""
     if name == "eager":
         return None
+    if not plain:
+        return "the experts have biases and a clamped SwiGLU (gpt-oss): only eager computes them"
     if slots.dtype != torch.uint8:
         return "the cache slots hold decoded weights (slot_format 'decoded'): only eager uses them"
     kinds = _kinds(experts)
@@ -107,12 +111,13 @@ def choose(
     dtype: torch.dtype,
     use_native: bool = True,
     use_compile: bool = True,
+    plain: bool = True,
 ) -> str:
     """The backend ``requested`` ("auto" or a name) for slots of ``slot_dtype`` on
     ``device``, chosen before the slots are allocated; BevyError if a named one cannot
     run here."""
     probe = torch.empty(0, dtype=slot_dtype, device=device)
-    args = (experts, probe, dtype, use_native, use_compile)
+    args = (experts, probe, dtype, use_native, use_compile, plain)
     if requested == "auto":
         order = ("grouped", "eager") if device.type != "cpu" else ("native", "compiled")
         name = next((n for n in order if why_not(n, *args) is None), "eager")

@@ -109,7 +109,7 @@ class EagerExperts:
 
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         """The expert's MLP on rows ``x`` [R, D]."""
-        return self.t.expert_mlp(self.expert(layer, e), x)
+        return self.t.expert_mlp(self.expert(layer, e), x, layer, e)
 
     # --- a run --------------------------------------------------------------------------
 
