@@ -122,6 +122,12 @@ class Policy:
             members = [r for r in batch if id(r) in ready_ids]
             if members and (not best or low < best[0].layer):
                 best = members
+        if not best:
+            # No group can move: a request that claimed while it was its group's lowest
+            # (before a later arrival joined the group behind it) holds pins its group's
+            # lowest job may need to claim at all. The lowest ready jobs run, releasing them.
+            low = min(r.layer for r in ready)
+            best = [r for r in ready if r.layer == low]
         return best
 
     def static_claimable(self, running: Sequence[Request]) -> set[int]:

@@ -89,9 +89,9 @@ def make_tiny(family: str, folder: Path, **overrides: object) -> Path:
                 p.add_(torch.randn_like(p) * 0.1)
             if "bias" in name:
                 p.normal_(0, 0.1)
-            if name.endswith("sinks"):  # gpt-oss: a real share of each softmax
+            if family == "gpt_oss" and name.endswith("sinks"):  # a real share of the softmax
                 p.normal_(0, 1.0)
-            if name.endswith("gate_up_proj"):  # past gpt-oss's SwiGLU clamp (7) at times
+            if family == "gpt_oss" and name.endswith("gate_up_proj"):  # past the clamp (7)
                 p.normal_(0, 1.5)
     model.save_pretrained(folder)
     return folder

@@ -78,6 +78,16 @@ def test_static_groups_advance_together() -> None:
     assert p.static_claimable([rs[0], rs[1], rs[2], req(3, 2)]) == {id(rs[0]), id(rs[1]), id(rs[2])}
 
 
+def test_a_static_group_never_waits_on_pins_its_own_member_holds() -> None:
+    """r0 claimed at layer 1 when it was its group's lowest; r1 joined its group behind it,
+    at layer 0, and cannot claim (all its experts would need r0's pinned slots too). r0 is
+    ready and runs, so its pins go; otherwise nothing could ever move."""
+    p = make_policy("bevy-static:2")
+    rs = [req(0, 1), req(1, 0, claimed=False)]
+    assert p.compute_group(rs, [rs[0]]) == [rs[0]]
+    assert p.compute_group(rs, []) == []
+
+
 def test_policy_names() -> None:
     for name in POLICIES:
         make_policy(name.replace(":K", ":4"))
