@@ -15,8 +15,8 @@ requests should advance *together* (the group waits for every request at the low
 layer, as lockstep does, and no waiting job applies its cached experts early; claims and
 fetch order stay bevy's): when compute was busy nearly all the time while the link was
 mostly idle. It lets them run ahead again once
-the link is busy for a good share of the time, which, with requests held together, means
-compute is waiting on it. The two thresholds are apart so that the mode does not flip
+the link is busy for a good share of the time, or compute idles for half of it: with
+requests held together, either means compute is waiting on the link. The two thresholds are apart so that the mode does not flip
 on noise. Pure Python: tested without an engine.
 """
 
@@ -29,6 +29,8 @@ COMPUTE_BOUND = 0.85
 # ... and the link at most this share; run ahead again when the link is busier than:
 LINK_IDLE = 0.4
 LINK_BUSY = 0.5
+# ... or compute idles this share of the time (waiting on fetches: runahead's overlap pays).
+COMPUTE_IDLE = 0.5
 WINDOW_S = 2.0  # the lanes' history each decision reads
 EVERY_S = 0.5  # how often it decides
 
@@ -49,7 +51,7 @@ class Balancer:
         if n_running < 2:
             want = False
         elif self.together:
-            want = link_busy <= LINK_BUSY
+            want = link_busy <= LINK_BUSY and compute_busy >= 1.0 - COMPUTE_IDLE
         else:
             want = compute_busy >= COMPUTE_BOUND and link_busy <= LINK_IDLE
         if want != self.together:

@@ -25,6 +25,10 @@ from backend.models.weights import ExpertRef, ExpertWeights, StoredExpert
 
 GetExpert = Callable[[int, int], ExpertWeights | StoredExpert]
 
+# Attention scores (floats) computed at once for a prompt under attention sinks: 16 M
+# floats, 64 MiB, whatever the prompt's length.
+SINK_SCORES = 1 << 24
+
 
 def _sink_softmax(att: torch.Tensor, sinks: torch.Tensor, n: int) -> torch.Tensor:
     """Softmax of scores ``att`` [G, rep*n, S] (kv group, its heads' query rows, keys) with
@@ -267,11 +271,8 @@ class Transformer:
                 mask = mask.repeat(rep, 1)  # [rep*n, S]
             if sinks is None:
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)  # [G, rep*n, Dh]
-            else:  # SDPA has no sink: the same product and softmax, written out
-                att = torch.bmm(qq, kk.transpose(1, 2)).mul_(c.head_dim**-0.5)
-                if mask is not None:
-                    att = att.masked_fill(~mask, float("-inf"))
-                o = torch.bmm(_sink_softmax(att, sinks, s.n), vv)
+            else:
+                o = self._sink_attention(qq, kk, vv, mask, sinks, s.n)
             out[row : row + s.n] = (
                 o.view(c.n_kv_heads, rep, s.n, c.head_dim)
                 .permute(2, 0, 1, 3)
@@ -279,6 +280,36 @@ class Transformer:
             )
             row += s.n
         return h + self._attn_output(p, out.reshape(T, -1))
+
+    def _sink_attention(
+        self,
+        qq: torch.Tensor,
+        kk: torch.Tensor,
+        vv: torch.Tensor,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor,
+        n: int,
+    ) -> torch.Tensor:
+        """Attention with sinks for ``n`` query rows per head, ``qq`` [G, rep*n, Dh] against
+        ``kk``, ``vv`` [G, S, Dh] (``mask`` [rep*n, S] or None): SDPA has no sink, so the
+        product and softmax are written out, a block of query rows at a time so that a
+        long prompt's scores never need [G, rep*n, S] at once."""
+        G, rows, _ = qq.shape
+        rep = rows // n
+        out = qq.new_empty(qq.shape)
+        step = max(1, SINK_SCORES // max(1, G * rep * kk.shape[1]))
+        q4 = qq.view(G, rep, n, -1)
+        o4 = out.view(G, rep, n, -1)
+        m3 = None if mask is None else mask.view(rep, n, -1)
+        for i in range(0, n, step):
+            j = min(n, i + step)
+            att = torch.bmm(q4[:, :, i:j].reshape(G, rep * (j - i), -1), kk.transpose(1, 2))
+            att.mul_(self.config.head_dim**-0.5)
+            if m3 is not None:
+                att = att.masked_fill(~m3[:, i:j].reshape(rep * (j - i), -1), float("-inf"))
+            part = torch.bmm(_sink_softmax(att, sinks, j - i), vv)
+            o4[:, :, i:j] = part.view(G, rep, j - i, -1)
+        return out
 
     def _attn_output(self, p: str, out: torch.Tensor) -> torch.Tensor:
         """The attention output projection of ``out`` [T, H*Dh] (and its bias, if any)."""
@@ -456,15 +487,23 @@ class Transformer:
             weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights.to(x.dtype)
 
+    @staticmethod
+    def silu_mlp(weights: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate x) * up x): every dense and shared MLP, and the plain experts."""
+        gate, up, down = weights
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
     def expert_mlp(
         self, weights: ExpertWeights, x: torch.Tensor, layer: int = -1, e: int = -1
     ) -> torch.Tensor:
         """The MLP of rows ``x``: SiLU-gated, or for routed expert ``e`` of ``layer`` with
         ``expert_bias``/``expert_act`` its biases and gpt-oss's clamped SwiGLU."""
-        gate, up, down = weights
         c = self.config
-        if c.plain_experts or e < 0:
-            return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        if c.plain_experts:
+            return self.silu_mlp(weights, x)
+        gate, up, down = weights
+        if e < 0:
+            raise ValueError("these experts have biases: expert_mlp needs the layer and expert")
         p, w = f"blk.{layer}.", self.w
         bias = (w[p + f"ffn_{n}_exps.bias"][e] for n in ("gate", "up", "down"))
         g, u, d = bias if c.expert_bias else (None, None, None)
@@ -502,7 +541,7 @@ class Transformer:
         if not self.config.shared_expert_size:
             return None
         p = f"blk.{layer}."
-        y = self.expert_mlp(
+        y = self.silu_mlp(
             (
                 self.w[p + "ffn_gate_shexp"],
                 self.w[p + "ffn_up_shexp"],
@@ -514,7 +553,7 @@ class Transformer:
 
     def dense_mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         p = f"blk.{layer}."
-        return self.expert_mlp(
+        return self.silu_mlp(
             (self.w[p + "ffn_gate"], self.w[p + "ffn_up"], self.w[p + "ffn_down"]), x
         )
 

@@ -21,10 +21,15 @@ def test_holds_while_compute_bound_and_lets_go_when_the_link_is_busy() -> None:
     assert not b.update(0.0, link_busy=0.95, compute_busy=0.9, n_running=8)  # link-bound
     assert not b.update(1.0, link_busy=0.3, compute_busy=0.7, n_running=8)  # neither
     assert b.update(2.0, link_busy=0.26, compute_busy=0.95, n_running=8)  # compute-bound
-    # Held, compute does less and waits more; the link alone decides when to run ahead.
+    # Held, compute does less and waits more; a busy link lets them run ahead.
     assert b.update(3.0, link_busy=0.45, compute_busy=0.6, n_running=8)
     assert not b.update(4.0, link_busy=0.65, compute_busy=0.3, n_running=8)
     assert b.switches == 2
+    # Held while the load lasts; once it is gone compute waits on the link half the time.
+    assert b.update(4.5, link_busy=0.3, compute_busy=0.95, n_running=8)
+    assert b.update(4.7, link_busy=0.45, compute_busy=0.55, n_running=8)
+    assert not b.update(4.9, link_busy=0.45, compute_busy=0.45, n_running=8)
+    assert b.switches == 4
     assert not b.update(5.0, link_busy=0.0, compute_busy=1.0, n_running=1)  # nothing to hold
     assert b.due(5.0 + EVERY_S) and not b.due(5.0 + EVERY_S / 2)
 

@@ -144,3 +144,15 @@ def test_every_policy_matches_plain_generation(
         assert sum(eng.cache.refs) == 0
     finally:
         eng.close()
+
+
+def test_long_prompts_attend_a_block_of_rows_at_a_time(folder, tmp_path, monkeypatch) -> None:
+    """Under sinks a prompt's scores are computed a block of query rows at a time (a long
+    prompt would need [heads, rows, keys] at once): one row per block gives the same."""
+    from backend.models import transformer as transformer_mod
+
+    model = load_model(convert_gpt_oss(folder, tmp_path / "g.gguf"))
+    _, whole = greedy_logits(model, PROMPT, steps=2)
+    monkeypatch.setattr(transformer_mod, "SINK_SCORES", 1)
+    _, blocks = greedy_logits(model, PROMPT, steps=2)
+    assert (blocks - whole).abs().max().item() <= 1e-5

@@ -122,6 +122,20 @@ def test_split_regex_by_pre(smollm_meta, smollm2_gguf, pre: str, pieces: list[st
     assert [piece for piece, _ in split] == pieces
 
 
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        # o200k (gpt-oss): a capital starts a new word; a contraction stays with its word.
+        ("gpt-4o", ["Hello", "World's", "Ġ", "123", "45", "Ġ", "Ġ!!/Ċ"]),
+        ("llama-bpe", ["HelloWorld", "'s", "Ġ", "123", "45", "Ġ", "Ġ!!/Ċ"]),
+    ],
+)
+def test_o200k_split(smollm_meta, smollm2_gguf, pre: str, pieces: list[str]) -> None:
+    tok = Tokenizer.from_gguf_metadata({**smollm_meta, "tokenizer.ggml.pre": pre}, smollm2_gguf)
+    split = tok.backend.pre_tokenizer.pre_tokenize_str("HelloWorld's 12345  !!/\n")
+    assert [piece for piece, _ in split] == pieces
+
+
 def test_unsupported_model(smollm_meta, smollm2_gguf) -> None:
     meta = {**smollm_meta, "tokenizer.ggml.model": "bert"}
     with pytest.raises(ModelLoadError, match="unsupported tokenizer model 'bert'"):
