@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 
 MAX_READ_BYTES = 256 * 1024  # a file larger than this is read by line ranges
@@ -195,8 +196,7 @@ class Workspace:
             raise ToolError(f"{path!r} is a folder")
         before = _text(file) if file.exists() else None
         file.parent.mkdir(parents=True, exist_ok=True)
-        with file.open("w", encoding="utf-8", newline="") as f:
-            f.write(content)
+        _write_whole(file, content)
         name = self.show(file)
         diff = _diff(name, before or "", content, new=before is None)
         verb = "created" if before is None else "replaced"
@@ -225,11 +225,30 @@ class Workspace:
                 "surrounding lines to make it unique, or set replace_all"
             )
         after = before.replace(old, new) if replace_all else before.replace(old, new, 1)
-        with file.open("w", encoding="utf-8", newline="") as f:
-            f.write(after)
+        _write_whole(file, after)
         name = self.show(file)
         n = count if replace_all else 1
         return f"edited {name} ({n} replacement{'s' if n > 1 else ''})", _diff(name, before, after)
+
+
+def _write_whole(file: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``file``, then rename it over ``file``:
+    anyone reading it (an editor, a build, the user) sees the old content or the new,
+    never a half-written file, and a failed write leaves the old one. Keeps an existing
+    file's permissions; a new one gets open()'s (0o666 less the umask, applied by the
+    kernel, so no thread changes the process's umask)."""
+    mode = file.stat().st_mode & 0o7777 if file.exists() else None
+    tmp = file.parent / f".{file.name}.{uuid.uuid4().hex[:12]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _text(file: Path) -> str:

@@ -87,6 +87,32 @@ def test_write_then_edit_shows_diffs(ws: Workspace) -> None:
     assert (ws.root / "pkg/mod.py").read_text().endswith("return a + b\n")
 
 
+def test_writes_replace_the_whole_file_at_once_and_keep_its_mode(
+    ws: Workspace, monkeypatch
+) -> None:
+    """A write goes to a temporary file renamed over the old one: a reader never sees it
+    half written, a failed write leaves the old content, and nothing is left behind."""
+    script = ws.root / "run.sh"
+    script.write_text("echo old\n")
+    script.chmod(0o750)
+    ws.write_file("run.sh", "echo new\n")
+    ws.edit_file("run.sh", "new", "newer")
+    assert script.read_text() == "echo newer\n" and script.stat().st_mode & 0o777 == 0o750
+    import os
+
+    real = os.replace
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        ws.write_file("run.sh", "echo lost\n")
+    monkeypatch.setattr(os, "replace", real)
+    assert script.read_text() == "echo newer\n"
+    assert sorted(p.name for p in ws.root.iterdir() if p.name.startswith(".run.sh")) == []
+
+
 def test_edits_that_are_not_exact_and_unique_change_nothing(ws: Workspace) -> None:
     (ws.root / "x.txt").write_text("a a a\n")
     assert "occurs 3 times" in _error(ws.edit_file, "x.txt", "a", "b")
