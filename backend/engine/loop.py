@@ -206,8 +206,10 @@ class Engine:
         self._stopped = False
         self._last_metrics = 0.0
         self._snapshot_at = 0.0  # the previous snapshot's time ("computing" since then)
+        # Keys and values of the softmax attention layers; linear attention layers hold a
+        # fixed-size recurrent state per request instead (``state_bytes``).
         self.kv_bytes_per_token = (
-            2 * c.n_layers * c.n_kv_heads * c.head_dim * model.transformer.dtype.itemsize
+            2 * c.attention_layers * c.n_kv_heads * c.head_dim * model.transformer.dtype.itemsize
         )
         self.balancer = Balancer() if self.policy.balance else None
         self._thread: threading.Thread | None = None
@@ -363,7 +365,8 @@ class Engine:
             if any(type(i) is not int or not 0 <= i < vocab for i in ids):
                 raise BevyError(f"prompt token ids must be in [0, {vocab})")
             budget = self.config.kv_budget_mib << 20
-            if min(len(ids) + msg.params.max_tokens, ctx) * self.kv_bytes_per_token > budget:
+            tokens = min(len(ids) + msg.params.max_tokens, ctx)
+            if tokens * self.kv_bytes_per_token + self.model.config.state_bytes > budget:
                 raise BevyError(
                     f"prompt + max_tokens needs more KV cache than the {self.config.kv_budget_mib} MiB budget"
                 )
@@ -389,6 +392,10 @@ class Engine:
     def _kv_tokens(self, r: Request) -> int:
         return min(r.budget_tokens, self.model.config.context_length)
 
+    def _kv_need(self, r: Request) -> int:
+        """Bytes of KV (and recurrent state) ``r`` may ever hold: what admission counts."""
+        return self._kv_tokens(r) * self.kv_bytes_per_token + self.model.config.state_bytes
+
     def _admit(self) -> None:
         if not self.waiting:
             return
@@ -396,11 +403,11 @@ class Engine:
         if self.policy.lockstep and any(r.layer != 0 or r.done for r in self.running):
             return
         budget = self.config.kv_budget_mib << 20
-        used = sum(self._kv_tokens(r) for r in self.running) * self.kv_bytes_per_token
+        used = sum(self._kv_need(r) for r in self.running)
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.config.max_active:
             r = self.waiting[0]
-            need = self._kv_tokens(r) * self.kv_bytes_per_token
+            need = self._kv_need(r)
             if used + need > budget:
                 break
             used += need

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from backend.errors import ModelLoadError
 from backend.formats.gguf import GGUFFile
 from backend.formats.tensors import TensorRef
@@ -27,6 +29,9 @@ class Family:
     hf_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     # Canonical tensor base names this family's GGUF files call otherwise.
     gguf_renames: dict[str, str] = field(default_factory=dict)
+    # (config, canonical name, tensor as read, read from GGUF?) -> the tensor computed with,
+    # for families whose files store a weight otherwise than ``Transformer`` uses it.
+    fix_tensor: Callable[[ModelConfig, str, torch.Tensor, bool], torch.Tensor] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -49,6 +54,10 @@ def hf_config(cfg: dict, family: str, **overrides: object) -> ModelConfig:
         context_length=cfg.get("max_position_embeddings", 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
+    params = cfg.get("rope_parameters") or {}
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial < 1.0:
+        fields["rotary_dim"] = int(int(fields["head_dim"]) * partial)
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -114,7 +123,11 @@ def gguf_config(g: GGUFFile, family: str, **overrides: object) -> ModelConfig:
         top_k=int(g.get("expert_used_count", 0) or 0),
         tie_embeddings="output.weight" not in g.tensors,
     )
-    fields.update(rope.from_gguf(g, int(fields["head_dim"])))
+    head_dim = int(fields["head_dim"])
+    # llama.cpp rotates the first rope.dimension_count dims of each head (partial RoPE).
+    rotary = int(g.get("rope.dimension_count", head_dim) or head_dim)
+    fields["rotary_dim"] = 0 if rotary == head_dim else rotary
+    fields.update(rope.from_gguf(g, rotary))
     fields.update(gguf_windows(g, int(fields["n_layers"])))
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -128,29 +141,14 @@ def with_sparse_layers(config: ModelConfig, has_router: Callable[[int], bool]) -
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical dense tensor name -> row-major shape the config implies."""
-    D, q, kv = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    D = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"token_embd": (c.vocab_size, D), "output_norm": (D,)}
     if not c.tie_embeddings:
         shapes["output"] = (c.vocab_size, D)
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        shapes |= {
-            p + "attn_norm": (D,),
-            p + "attn_q": (q, D),
-            p + "attn_k": (kv, D),
-            p + "attn_v": (kv, D),
-        }
-        shapes |= {p + "attn_output": (D, q), p + "ffn_norm": (D,)}
-        if c.attn_bias:
-            shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
-        if c.attn_out_bias:
-            shapes[p + "attn_output.bias"] = (D,)
-        if c.attn_sinks:
-            shapes[p + "attn_sinks"] = (c.n_heads,)
-        if c.qk_norm == "head":
-            shapes |= {p + "attn_q_norm": (c.head_dim,), p + "attn_k_norm": (c.head_dim,)}
-        elif c.qk_norm == "full":
-            shapes |= {p + "attn_q_norm": (q,), p + "attn_k_norm": (kv,)}
+        shapes |= {p + "attn_norm": (D,), p + "ffn_norm": (D,)}
+        shapes |= _linear_shapes(c, p) if c.linear_layers[i] else _attention_shapes(c, p)
         if c.sparse_layers[i]:
             shapes[p + "ffn_gate_inp"] = (c.n_experts, D)
             if c.router_bias:
@@ -176,6 +174,44 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _attention_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A softmax attention layer's tensors."""
+    D, q, kv = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {
+        p + "attn_q": (2 * q if c.attn_gate else q, D),  # with the gate's rows after each head
+        p + "attn_k": (kv, D),
+        p + "attn_v": (kv, D),
+        p + "attn_output": (D, q),
+    }
+    if c.attn_bias:
+        shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+    if c.attn_out_bias:
+        shapes[p + "attn_output.bias"] = (D,)
+    if c.attn_sinks:
+        shapes[p + "attn_sinks"] = (c.n_heads,)
+    if c.qk_norm == "head":
+        shapes |= {p + "attn_q_norm": (c.head_dim,), p + "attn_k_norm": (c.head_dim,)}
+    elif c.qk_norm == "full":
+        shapes |= {p + "attn_q_norm": (q,), p + "attn_k_norm": (kv,)}
+    return shapes
+
+
+def _linear_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (llama.cpp's names; see ``linear_attention``)."""
+    D, Hv, v = c.hidden_size, c.linear_v_heads, c.linear_v_heads * c.linear_v_dim
+    return {
+        p + "attn_qkv": (c.conv_dim, D),
+        p + "attn_gate": (v, D),
+        p + "ssm_beta": (Hv, D),
+        p + "ssm_alpha": (Hv, D),
+        p + "ssm_conv1d": (c.conv_dim, c.conv_kernel),
+        p + "ssm_a": (Hv,),
+        p + "ssm_dt.bias": (Hv,),
+        p + "ssm_norm": (c.linear_v_dim,),
+        p + "ssm_out": (D, v),
+    }
+
+
 def check_shape(path: Path, name: str, ref: TensorRef, want: tuple[int, ...]) -> TensorRef:
     if ref.shape == want:
         return ref
@@ -184,6 +220,9 @@ def check_shape(path: Path, name: str, ref: TensorRef, want: tuple[int, ...]) ->
         n *= s
     # A 1-row matrix stored as a vector (GGUF's ffn_gate_inp_shexp) is the same bytes.
     if want[0] == 1 and ref.shape == want[1:]:
+        return TensorRef(ref.path, ref.offset, ref.nbytes, ref.qtype, want)
+    # So is a tensor with an axis of 1 more (transformers' conv1d weight [C, 1, K]).
+    if tuple(s for s in ref.shape if s != 1) == tuple(s for s in want if s != 1):
         return TensorRef(ref.path, ref.offset, ref.nbytes, ref.qtype, want)
     raise ModelLoadError(
         path, f"tensor {name} has shape {list(ref.shape)}, but the config implies {list(want)}"

@@ -60,6 +60,19 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # Partial RoPE: the first ``rotary_dim`` dims of each head rotate (0: all of them).
+    rotary_dim: int = 0
+    # Qwen3.5: q_proj also writes a gate per head; attention's output is scaled by its
+    # sigmoid before the output projection.
+    attn_gate: bool = False
+    # Qwen3.5's hybrid stack: True where a layer is a Gated DeltaNet (linear attention with
+    # a causal conv and a recurrent state per sequence) instead of softmax attention.
+    linear_layers: tuple[bool, ...] = field(default=())
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim")
@@ -93,14 +106,50 @@ class ModelConfig:
             raise ValueError(f"router_softmax must be 'all' or 'topk', got {self.router_softmax!r}")
         if self.expert_act not in ("silu", "swiglu_oai"):
             raise ValueError(f"expert_act must be 'silu' or 'swiglu_oai', got {self.expert_act!r}")
-        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
-            raise ValueError(f"rope_freq_factors must have {self.head_dim // 2} entries")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and in 0..{self.head_dim}")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.rope_dim // 2:
+            raise ValueError(f"rope_freq_factors must have {self.rope_dim // 2} entries")
+        if not self.linear_layers:
+            object.__setattr__(self, "linear_layers", (False,) * self.n_layers)
+        if len(self.linear_layers) != self.n_layers:
+            raise ValueError("linear_layers must have one entry per layer")
+        if any(self.linear_layers):
+            dims = ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim")
+            if min(getattr(self, n) for n in (*dims, "conv_kernel")) <= 0:
+                raise ValueError(f"linear attention layers need positive {', '.join(dims)}")
+            if self.linear_v_heads % self.linear_k_heads:
+                raise ValueError("linear_v_heads must be a multiple of linear_k_heads")
 
     @property
     def plain_experts(self) -> bool:
         """Experts are SiLU-gated MLPs without biases: what the native, compiled and grouped
         expert kernels compute (the others run eagerly)."""
         return self.expert_act == "silu" and not self.expert_bias
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head that RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with softmax attention: the ones that keep keys and values."""
+        return self.n_layers - sum(self.linear_layers)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a linear attention layer's causal conv: its q, k and v."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+
+    @property
+    def state_bytes(self) -> int:
+        """float32 bytes of one sequence's recurrent state over every linear attention
+        layer: the conv's last inputs and the delta rule's [Hv, Dk, Dv] memory."""
+        per_layer = self.conv_dim * (self.conv_kernel - 1) + (
+            self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
+        )
+        return 4 * per_layer * sum(self.linear_layers)
 
     @property
     def is_moe(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 from backend.kernels.quants import QType
 from backend.models import rope
 from backend.models.config import ModelConfig
+from backend.models.qwen3_5_moe import reorder_value_heads
 
 _ARCH = {
     "llama": "llama",
@@ -23,9 +24,13 @@ _ARCH = {
     "olmoe": "olmoe",
     "qwen2_moe": "qwen2moe",
     "gpt_oss": "gpt-oss",
+    "qwen3_5_moe": "qwen35moe",
 }
 # Canonical names llama.cpp calls otherwise, per family.
-_RENAMES = {"gpt_oss": {"ffn_norm": "post_attention_norm"}}
+_RENAMES = {
+    "gpt_oss": {"ffn_norm": "post_attention_norm"},
+    "qwen3_5_moe": {"ffn_norm": "post_attention_norm"},
+}
 # Kept in F32 whatever the target type, as llama.cpp's converter does: tensors whose
 # names contain these, and the embedding and output head themselves (not attn_output).
 _KEEP_F32 = ("_norm", "ffn_gate_inp", ".bias", "attn_sinks")
@@ -71,6 +76,27 @@ def _add_rope_scaling(w: gguf.GGUFWriter, c: ModelConfig) -> None:
                 w.add_rope_scaling_attn_factors(s.attention_factor / rope.yarn_mscale(s.factor))
     if factors:
         w.add_tensor("rope_freqs.weight", np.asarray(factors, dtype=np.float32))
+
+
+def _add_linear_attention(w: gguf.GGUFWriter, c: ModelConfig) -> None:
+    """llama.cpp's keys for Qwen3.5's Gated DeltaNet layers (one head width for keys and
+    values: llama.cpp reads no other), and which layers they are."""
+    if c.linear_k_dim != c.linear_v_dim:
+        raise ValueError("llama.cpp's qwen35moe has one head width for linear keys and values")
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_state_size(c.linear_k_dim)
+    w.add_ssm_group_count(c.linear_k_heads)
+    w.add_ssm_time_step_rank(c.linear_v_heads)
+    w.add_ssm_inner_size(c.linear_v_heads * c.linear_v_dim)
+    every = next((i + 1 for i, lin in enumerate(c.linear_layers) if not lin), 0)
+    if every and c.linear_layers == tuple((i + 1) % every != 0 for i in range(c.n_layers)):
+        w.add_full_attention_interval(every)
+    else:
+        key = f"{w.arch}.attention.recurrent_layers"
+        w.add_array(key, [bool(b) for b in c.linear_layers])
+    # Required by llama.cpp's loader (interleaved M-RoPE; for text every section turns by
+    # the same position, so the split does not change the result): its converter's default.
+    w.add_rope_dimension_sections([11, 11, 10, 0])
 
 
 def write_gguf(model, out: str | Path, qtype: QType = QType.F32) -> Path:
@@ -143,7 +169,7 @@ def _write(config: ModelConfig, dense: dict, experts, out: str | Path, qtype: QT
     w.add_embedding_length(c.hidden_size)
     ff = (
         c.expert_intermediate_size
-        if c.family in ("mixtral", "olmoe", "gpt_oss")
+        if c.family in ("mixtral", "olmoe", "gpt_oss", "qwen3_5_moe")
         else c.intermediate_size
     )
     w.add_feed_forward_length(ff)
@@ -159,6 +185,10 @@ def _write(config: ModelConfig, dense: dict, experts, out: str | Path, qtype: QT
         alternating = tuple(i % 2 == 0 for i in range(c.n_layers))
         if not all(c.window_layers) and not (arch == "gpt-oss" and c.window_layers == alternating):
             w.add_sliding_window_pattern(list(c.window_layers))
+    if c.rope_dim != c.head_dim:
+        w.add_rope_dimension_count(c.rope_dim)
+    if any(c.linear_layers):
+        _add_linear_attention(w, c)
     w.add_vocab_size(c.vocab_size)
     if c.n_experts:
         w.add_expert_count(c.n_experts)
@@ -177,8 +207,11 @@ def _write(config: ModelConfig, dense: dict, experts, out: str | Path, qtype: QT
         if canonical.startswith("blk."):
             _, layer, rest = canonical.split(".", 2)
             base, dot, suffix = rest.partition(".")
+            if c.family == "qwen3_5_moe":
+                arr = reorder_value_heads(c, base, torch.from_numpy(arr), to_gguf=True).numpy()
             canonical = f"blk.{layer}.{renames.get(base, base)}{dot}{suffix}"
-        name = canonical if canonical.endswith(".bias") else canonical + ".weight"
+        bare = canonical.endswith(".bias") or canonical.split(".")[-1] in ("ssm_a",)
+        name = canonical if bare else canonical + ".weight"
         data, dtype = _encode(arr, name, qtype)
         w.add_tensor(name, data, raw_dtype=dtype)
     for layer, sparse in enumerate(c.sparse_layers):

@@ -32,6 +32,21 @@ from backend.models.weights import ExpertRef, ResidentExperts
 
 Progress = Callable[[int, int], None]
 
+# Tensors llama.cpp names without a ".weight" suffix.
+_GGUF_BARE = ("ssm_a",)
+# Gated DeltaNet layers: our (llama.cpp's) names -> transformers' under ``linear_attn``,
+# and the parameters transformers keeps without a suffix.
+_HF_LINEAR = {
+    "attn_qkv": "in_proj_qkv",
+    "attn_gate": "in_proj_z",
+    "ssm_beta": "in_proj_b",
+    "ssm_alpha": "in_proj_a",
+    "ssm_conv1d": "conv1d",
+    "ssm_norm": "norm",
+    "ssm_out": "out_proj",
+}
+_HF_BARE = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+
 
 @dataclass
 class LoadedModel:
@@ -80,7 +95,9 @@ def _gguf_layout(
             _, layer, rest = canonical.split(".", 2)
             base, dot, suffix = rest.partition(".")
             canonical = f"blk.{layer}.{fam.gguf_renames.get(base, base)}{dot}{suffix}"
-        return canonical if canonical.endswith(".bias") else canonical + ".weight"
+        if canonical.endswith(".bias") or canonical.split(".")[-1] in _GGUF_BARE:
+            return canonical
+        return canonical + ".weight"
 
     def expert(layer: int, e: int) -> tuple[TensorRef, ...]:
         p = f"blk.{layer}."
@@ -118,8 +135,11 @@ def _hf_layout(
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(h.path / "config.json", str(exc)) from None
     moe = fam.hf_moe_prefix
+    # Multimodal checkpoints keep the text model under model.language_model (the vision
+    # tower and multi-token-prediction head beside it are not read).
+    root = "model.language_model." if "model.language_model.norm.weight" in h.tensors else "model."
     config = with_sparse_layers(
-        config, lambda i: f"model.layers.{i}.{moe}.gate.weight" in h.tensors
+        config, lambda i: f"{root}layers.{i}.{moe}.gate.weight" in h.tensors
     )
     attn = {
         "attn_q": "self_attn.q_proj",
@@ -136,9 +156,10 @@ def _hf_layout(
     attn |= {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
     attn |= {f"ffn_{n}_shexp": f"mlp.shared_expert.{n}_proj" for n in ("gate", "up", "down")}
     attn["ffn_gate_inp_shexp"] = "mlp.shared_expert_gate"
+    attn |= {ours: f"linear_attn.{theirs}" for ours, theirs in _HF_LINEAR.items()}
     top = {
-        "token_embd": "model.embed_tokens.weight",
-        "output_norm": "model.norm.weight",
+        "token_embd": root + "embed_tokens.weight",
+        "output_norm": root + "norm.weight",
         "output": "lm_head.weight",
     }
 
@@ -146,14 +167,34 @@ def _hf_layout(
         if canonical in top:
             return top[canonical]
         _, layer, rest = canonical.split(".", 2)
+        if rest in _HF_BARE:
+            return f"{root}layers.{layer}.{_HF_BARE[rest]}"
         base, _, suffix = rest.partition(".")
-        return f"model.layers.{layer}.{attn[base]}.{suffix or 'weight'}"
+        return f"{root}layers.{layer}.{attn[base]}.{suffix or 'weight'}"
 
     def expert(layer: int, e: int) -> tuple[TensorRef, ...]:
-        p = f"model.layers.{layer}.{moe}.experts.{e}."
-        return tuple(h.tensors[p + n + ".weight"] for n in fam.hf_expert_names)
+        p = f"{root}layers.{layer}.{moe}.experts."
+        if p + "gate_up_proj" in h.tensors:
+            return _fused_hf_expert(h.tensors[p + "gate_up_proj"], h.tensors[p + "down_proj"], e)
+        return tuple(h.tensors[f"{p}{e}.{n}.weight"] for n in fam.hf_expert_names)
 
     return fam, config, name, expert
+
+
+def _fused_hf_expert(gate_up: TensorRef, down: TensorRef, e: int) -> tuple[TensorRef, ...]:
+    """Expert ``e`` of transformers' fused tensors, gate_up [E, 2I, D] (gate's rows, then
+    up's) and down [E, D, I]: each part is one byte range, as in a GGUF's fused experts."""
+    if len(gate_up.shape) != 3 or len(down.shape) != 3 or gate_up.shape[1] % 2:
+        raise KeyError(f"experts.gate_up_proj {list(gate_up.shape)}")
+    per, rows = gate_up.nbytes // gate_up.shape[0], gate_up.shape[1] // 2
+    at = gate_up.offset + e * per
+    half = (rows, gate_up.shape[2])
+    down_per = down.nbytes // down.shape[0]
+    return (
+        TensorRef(gate_up.path, at, per // 2, gate_up.qtype, half),
+        TensorRef(gate_up.path, at + per // 2, per // 2, gate_up.qtype, half),
+        TensorRef(down.path, down.offset + e * down_per, down_per, down.qtype, down.shape[1:]),
+    )
 
 
 @dataclass
@@ -235,8 +276,12 @@ def load_model(
     device = torch.device(device)
     files = MappedFiles()
     dense: dict[str, torch.Tensor] = {}
+    fix = registry.family(info.config.family).fix_tensor
+    from_gguf = isinstance(info.source, GGUFFile)
     for i, (canonical, ref) in enumerate(info.dense_refs.items()):
         dense[canonical] = files.load(ref, dtype, device)
+        if fix is not None:
+            dense[canonical] = fix(info.config, canonical, dense[canonical], from_gguf)
         if progress:
             progress(i + 1, len(info.dense_refs))
     fused = (
@@ -270,9 +315,28 @@ def _fused_dense(
         ref = refs[name]
         return files.bytes_of(ref), ref.qtype, (ref.shape[0], ref.shape[1])
 
+    def linear_part(name: str) -> tuple[torch.Tensor, QType, tuple[int, int]] | None:
+        """``part`` of a Gated DeltaNet weight, its value heads as ``fix_tensor`` puts
+        them (in a GGUF they are tiled)."""
+        raw, qtype, shape = part(name)
+        if isinstance(info.source, GGUFFile) and qtype in FUSABLE:
+            from backend.models.qwen3_5_moe import untiled_blocks
+
+            raw = untiled_blocks(info.config, name.split(".")[2], raw, shape[0])
+        return None if raw is None else (raw, qtype, shape)
+
     out: dict[str, FusedWeight] = {}
     for layer in range(info.config.n_layers):
         p = f"blk.{layer}."
+        if info.config.linear_layers[layer]:
+            # A Gated DeltaNet's input projections of q, k, v and of its output gate as one,
+            # and its output projection.
+            parts = [linear_part(p + n) for n in ("attn_qkv", "attn_gate", "ssm_out")]
+            if parts[0] and parts[1] and (both := FusedWeight.stacked(parts[:2])):
+                out[p + "ssm_in"] = both
+            if parts[2] and (proj := FusedWeight.stacked(parts[2:])):
+                out[p + "ssm_out"] = proj
+            continue
         names = [p + n for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
         if not any(refs[n].qtype in FUSABLE for n in names):
             continue

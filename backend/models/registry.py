@@ -13,6 +13,7 @@ _MODULES = {
     "olmoe": "backend.models.olmoe",
     "qwen2_moe": "backend.models.qwen2_moe",
     "gpt_oss": "backend.models.gpt_oss",
+    "qwen3_5_moe": "backend.models.qwen3_5_moe",
 }
 _HF = {
     "LlamaForCausalLM": "llama",
@@ -21,12 +22,15 @@ _HF = {
     "OlmoeForCausalLM": "olmoe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 _GGUF = {
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
     "qwen2moe": "qwen2_moe",
     "gpt-oss": "gpt_oss",
+    "qwen35moe": "qwen3_5_moe",
 }
 
 FAMILIES = tuple(_MODULES)

@@ -75,10 +75,10 @@ def inv_freq(c: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.
     """(the Dh/2 rotation frequencies float32, the factor cos and sin are scaled by)."""
     s = c.rope_scaling
     if s is not None and s.kind == "yarn":
-        inv = _yarn(c.rope_theta, c.head_dim, s, device)
+        inv = _yarn(c.rope_theta, c.rope_dim, s, device)
         factor = yarn_mscale(s.factor) if s.attention_factor is None else s.attention_factor
         return inv, float(factor)
-    inv = base_inv_freq(c.rope_theta, c.head_dim, device)
+    inv = base_inv_freq(c.rope_theta, c.rope_dim, device)
     if s is not None and s.kind == "linear":
         inv = inv / s.factor
     elif s is not None and s.kind == "llama3":
@@ -90,7 +90,7 @@ def inv_freq(c: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.
 
 def llama3_freq_factors(c: ModelConfig) -> tuple[float, ...]:
     """The per-pair divisors llama.cpp stores as ``rope_freqs`` for a ``llama3`` config."""
-    base = base_inv_freq(c.rope_theta, c.head_dim)
+    base = base_inv_freq(c.rope_theta, c.rope_dim)
     return tuple((base / _llama3(base, c.rope_scaling)).tolist())
 
 

@@ -21,6 +21,7 @@ from backend.kernels import native
 from backend.kernels.dense import FusedWeight, dense_linear, warm_up_dense
 from backend.models import rope
 from backend.models.config import ModelConfig
+from backend.models.linear_attention import linear_attention
 from backend.models.weights import ExpertRef, ExpertWeights, StoredExpert
 
 GetExpert = Callable[[int, int], ExpertWeights | StoredExpert]
@@ -48,6 +49,8 @@ class KVCache:
     max_len: int | None = None  # positions this sequence may ever hold (a hard cap on growth)
     k: list[torch.Tensor | None] = field(default_factory=list)
     v: list[torch.Tensor | None] = field(default_factory=list)
+    # linear attention layer -> (positions absorbed, conv state, delta-rule state)
+    state: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.k = [None] * self.n_layers
@@ -82,9 +85,33 @@ class KVCache:
             self.k[layer], self.v[layer] = buf_k, buf_v = new_k, new_v
         return buf_k, buf_v
 
+    def recurrent(
+        self, layer: int, start: int, shapes: tuple[tuple[int, ...], tuple[int, ...]], device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A linear attention layer's state (conv inputs, delta-rule memory; float32, zeros
+        before the first token) as it stands after the sequence's first ``start`` positions.
+
+        Unlike keys and values, a state cannot be read back at an earlier position nor
+        written twice: a slice that does not continue where the last one ended is a bug
+        in whatever scheduled it, raised here rather than computed wrongly."""
+        kept = self.state.get(layer)
+        held = 0 if kept is None else kept[0]
+        if held != start:
+            raise RuntimeError(
+                f"layer {layer}'s recurrent state holds {held} positions; a slice at {start} cannot use it"
+            )
+        if kept is None:
+            return tuple(torch.zeros(s, dtype=torch.float32, device=device) for s in shapes)
+        return kept[1], kept[2]
+
+    def keep_recurrent(self, layer: int, end: int, conv: torch.Tensor, mem: torch.Tensor) -> None:
+        """The layer's state after positions ..end-1 (see ``recurrent``)."""
+        self.state[layer] = (end, conv, mem)
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+        tensors = [*self.k, *self.v, *(t for _, *pair in self.state.values() for t in pair)]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass
@@ -164,7 +191,11 @@ class Transformer:
         return table
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, Dh] rotated by angles cos, sin [T, Dh/2]."""
+        """x [T, H, Dh] rotated by angles cos, sin [T, R/2] (R = ``rope_dim``: the first R
+        dims rotate, the rest pass)."""
+        rot = self.config.rope_dim
+        if rot < x.shape[-1]:
+            return torch.cat((self._rope(x[..., :rot], cos, sin), x[..., rot:]), -1)
         c, s = cos[:, None, :], sin[:, None, :]
         if self.config.rope_interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -176,8 +207,12 @@ class Transformer:
     def attention_block(
         self, layer: int, h: torch.Tensor, seqs: Sequence[SeqSlice]
     ) -> torch.Tensor:
-        """h + attention(norm(h)) for a batch of sequence slices; writes their KV."""
+        """h + attention(norm(h)) for a batch of sequence slices; writes their KV (or, in
+        a linear attention layer, moves their recurrent state on)."""
         c, w, p = self.config, self.w, f"blk.{layer}."
+        if c.linear_layers[layer]:
+            x = rms_norm(h, w[p + "attn_norm"], c.rms_eps)
+            return h + linear_attention(c, w, self._fused_linear, layer, x, seqs)
         T = h.shape[0]
         decoding = self._decoding(h, seqs)
         if decoding and h.dtype == torch.float32:
@@ -192,11 +227,16 @@ class Transformer:
             q, k, v = (F.linear(x, w[p + n], w.get(p + n + ".bias")) for n in names)
         else:
             kv_width = c.n_kv_heads * c.head_dim
-            q, k, v = qkv.split((c.n_heads * c.head_dim, kv_width, kv_width), -1)
+            q_width = c.n_heads * c.head_dim * (2 if c.attn_gate else 1)
+            q, k, v = qkv.split((q_width, kv_width, kv_width), -1)
             biases = [w.get(p + n + ".bias") for n in names]
             if not c.qk_norm and c.clip_qkv is None and biases[0] is None and biases[1] is None:
                 qk = qkv[:, : (c.n_heads + c.n_kv_heads) * c.head_dim]
             q, k, v = (t if b is None else t + b for t, b in zip((q, k, v), biases, strict=True))
+        gate = None
+        if c.attn_gate:  # q_proj wrote [q, gate] per head
+            q, gate = q.view(T, c.n_heads, 2 * c.head_dim).split(c.head_dim, -1)
+            q, gate = q.reshape(T, -1), gate.reshape(T, -1)
         if c.qk_norm == "full":
             q = rms_norm(q, w[p + "attn_q_norm"], c.rms_eps)
             k = rms_norm(k, w[p + "attn_k_norm"], c.rms_eps)
@@ -229,7 +269,7 @@ class Transformer:
                 q, k, v, caches, [s.start for s in seqs], c.head_dim**-0.5, window
             )
         if out is not None:
-            return h + self._attn_output(p, out)
+            return h + self._attn_output(p, out, gate)
         out = torch.empty(T, c.n_heads, c.head_dim, dtype=h.dtype, device=h.device)
         row = 0
         rep = c.n_heads // c.n_kv_heads
@@ -279,7 +319,7 @@ class Transformer:
                 .reshape(s.n, c.n_heads, c.head_dim)
             )
             row += s.n
-        return h + self._attn_output(p, out.reshape(T, -1))
+        return h + self._attn_output(p, out.reshape(T, -1), gate)
 
     def _sink_attention(
         self,
@@ -311,8 +351,13 @@ class Transformer:
             o4[:, :, i:j] = part.view(G, rep, j - i, -1)
         return out
 
-    def _attn_output(self, p: str, out: torch.Tensor) -> torch.Tensor:
-        """The attention output projection of ``out`` [T, H*Dh] (and its bias, if any)."""
+    def _attn_output(
+        self, p: str, out: torch.Tensor, gate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The attention output projection of ``out`` [T, H*Dh] (and its bias, if any),
+        scaled first by the sigmoid of ``gate`` [T, H*Dh] where the layer has one."""
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         o = self._fused_linear(p + "attn_output", out)
         o = F.linear(out, self.w[p + "attn_output"]) if o is None else o
         bias = self.w.get(p + "attn_output.bias")
@@ -451,6 +496,9 @@ class Transformer:
             or c.clip_qkv is not None
             or any(p + n + ".bias" in self.w for n in ("attn_q", "attn_k", "attn_v", "attn_output"))
             or c.attn_sinks
+            or c.attn_gate
+            or c.rope_dim != c.head_dim
+            or c.linear_layers[layer]
             or (router and (c.router_bias or c.router_softmax != "all"))
         ):
             blk = native.BlockWeights(

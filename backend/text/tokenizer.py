@@ -35,6 +35,12 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5: Qwen2's, with combining marks (\p{M}) part of a word rather than of the
+# punctuation after it.
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # o200k (gpt-oss; llama.cpp's "gpt-4o"): case-aware words with their contractions,
 # numbers in threes, punctuation runs keeping a trailing newline or slash.
 _O200K_SPLIT = (
@@ -50,6 +56,7 @@ _SPLIT_BY_PRE = {
     "llama-v3": _LLAMA3_SPLIT,
     "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
     "gpt-4o": _O200K_SPLIT,
 }

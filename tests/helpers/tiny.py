@@ -69,6 +69,24 @@ FAMILY_CONFIGS = {
             },
         },
     ),
+    # Gated DeltaNet layers 0 and 2, gated attention layers 1 and 3 (full_attention_interval
+    # 2); twice as many linear value heads as key heads, so their order in GGUF matters.
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        {
+            "num_hidden_layers": 4,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"] * 2,
+        },
+    ),
 }
 
 

@@ -11,6 +11,7 @@ import torch
 
 from backend.kernels import native
 from backend.kernels.quants import QType
+from backend.models import registry
 from backend.models import transformer as transformer_mod
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import load_model
@@ -106,8 +107,10 @@ def test_gguf_quantized_matches_oracle_dequantizer(
     # The same file, every weight dequantized by the gguf package's numpy code instead,
     # and every product by float32 BLAS.
     model.transformer.fused = {}
+    fix = registry.family(model.config.family).fix_tensor  # (a layout, not a dequantizer)
     for name, ref in model.dense_refs.items():
-        model.transformer.w[name] = _oracle(ref)
+        w = _oracle(ref)
+        model.transformer.w[name] = w if fix is None else fix(model.config, name, w, True)
 
     def oracle_expert(layer: int, e: int):
         x = model.experts[layer][e]

@@ -294,3 +294,12 @@ def test_stream_decoder_flush_emits_incomplete_tail(smollm: Tokenizer) -> None:
     ids = smollm.encode("ok 🦫")[:-1]  # the emoji's last byte never arrives
     pieces = _stream(smollm, ids)
     assert "".join(pieces) == smollm.decode(ids) and pieces[-1].endswith("\ufffd")
+
+
+@pytest.mark.parametrize(("pre", "first"), [("qwen35", (0, 5)), ("qwen2", (0, 4))])
+def test_qwen35_split_keeps_combining_marks_in_words(
+    smollm_meta, smollm2_gguf, pre: str, first: tuple[int, int]
+) -> None:
+    tok = Tokenizer.from_gguf_metadata({**smollm_meta, "tokenizer.ggml.pre": pre}, smollm2_gguf)
+    split = tok.backend.pre_tokenizer.pre_tokenize_str("cafe\u0301! 7")
+    assert split[0][1] == first
