@@ -94,9 +94,12 @@ def _add_linear_attention(w: gguf.GGUFWriter, c: ModelConfig) -> None:
     else:
         key = f"{w.arch}.attention.recurrent_layers"
         w.add_array(key, [bool(b) for b in c.linear_layers])
-    # Required by llama.cpp's loader (interleaved M-RoPE; for text every section turns by
-    # the same position, so the split does not change the result): its converter's default.
-    w.add_rope_dimension_sections([11, 11, 10, 0])
+    # Required by llama.cpp's loader: interleaved M-RoPE turns pair i by the t, h or w
+    # position as i % 3 is 0, 1 or 2, within each one's count, and by a fourth position
+    # (0 for text) past them. Text gives t, h and w the same position, so counts covering
+    # every pair compute plain RoPE: (11, 11, 10) for 32 pairs, its converter's default.
+    pairs = c.rope_dim // 2
+    w.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
 
 
 def write_gguf(model, out: str | Path, qtype: QType = QType.F32) -> Path:
@@ -187,7 +190,7 @@ def _write(config: ModelConfig, dense: dict, experts, out: str | Path, qtype: QT
             w.add_sliding_window_pattern(list(c.window_layers))
     if c.rope_dim != c.head_dim:
         w.add_rope_dimension_count(c.rope_dim)
-    if any(c.linear_layers):
+    if c.conv_kernel:  # (llama.cpp reads these keys even where no layer is linear)
         _add_linear_attention(w, c)
     w.add_vocab_size(c.vocab_size)
     if c.n_experts:

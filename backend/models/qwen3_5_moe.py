@@ -56,9 +56,9 @@ def from_gguf(g: GGUFFile) -> ModelConfig:
         every = int(g.get("full_attention_interval", 4) or 4)
         recurrent = [(i + 1) % every != 0 for i in range(n_layers)]
     # llama.cpp reads one head width for keys and values of the linear layers.
-    width = int(g.get("ssm.state_size"))
-    v_heads = int(g.get("ssm.time_step_rank"))
-    inner = int(g.get("ssm.inner_size"))
+    width = int(g.get("ssm.state_size", 0) or 0)
+    v_heads = int(g.get("ssm.time_step_rank", 0) or 0)
+    inner = int(g.get("ssm.inner_size", 0) or 0)
     if inner != width * v_heads:
         raise ValueError(f"ssm.inner_size {inner} is not ssm.state_size x ssm.time_step_rank")
     return gguf_config(
@@ -67,11 +67,11 @@ def from_gguf(g: GGUFFile) -> ModelConfig:
         expert_intermediate_size=int(g.get("expert_feed_forward_length")),
         shared_expert_size=int(g.get("expert_shared_feed_forward_length", 0) or 0),
         linear_layers=tuple(bool(b) for b in recurrent),
-        linear_k_heads=int(g.get("ssm.group_count")),
+        linear_k_heads=int(g.get("ssm.group_count", 0) or 0),
         linear_v_heads=v_heads,
         linear_k_dim=width,
         linear_v_dim=width,
-        conv_kernel=int(g.get("ssm.conv_kernel")),
+        conv_kernel=int(g.get("ssm.conv_kernel", 0) or 0),
         **_SHARED,
     )
 

@@ -345,3 +345,16 @@ def test_the_hub_checkpoint_layout_loads(folder: Path, tmp_path: Path) -> None:
     _, ours = greedy_logits(hub_model, PROMPT, steps=4)
     _, ref = greedy_logits(model, PROMPT, steps=4, get_expert=lambda l, e: rounded[(l, e)])
     assert torch.equal(ours, ref)
+
+
+def test_rope_sections_turn_every_pair_by_the_text_position(folder: Path, tmp_path: Path) -> None:
+    """llama.cpp's interleaved M-RoPE turns pair i by the t, h or w position as i % 3 is 0,
+    1 or 2 while i < 3 x that one's count, else by a fourth position that is 0 for text:
+    the sections written must leave no pair to it (found against llama.cpp's server,
+    whose logits matched ours only then)."""
+    g = read_gguf(write_gguf(load_model(folder), tmp_path / "q35.gguf"))
+    sections = list(g.get("rope.dimension_sections"))
+    pairs = g.get("rope.dimension_count") // 2
+    assert sum(sections) == pairs
+    for i in range(pairs):
+        assert i < 3 * sections[i % 3], (i, sections)
