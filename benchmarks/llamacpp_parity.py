@@ -25,7 +25,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import gguf
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,26 +37,6 @@ from backend.models.loader import load_model  # noqa: E402
 from benchmarks.vs_llamacpp import build_llama_server, free_port  # noqa: E402
 from tests.helpers import tiny  # noqa: E402
 from tests.helpers.reference import greedy_logits  # noqa: E402
-
-
-def with_tokenizer(weights: Path, vocab_from: Path, out: Path) -> Path:
-    """``weights``'s GGUF with the tokenizer keys of ``vocab_from`` added."""
-    r, v = gguf.GGUFReader(weights), gguf.GGUFReader(vocab_from)
-    arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(out, arch)
-    for src, keep in ((r, lambda k: True), (v, lambda k: k.startswith("tokenizer."))):
-        for key, f in src.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture" or not keep(key):
-                continue
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, f.contents(), f.types[0], sub)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 def llama_completion(exe: Path, model: Path, prompt: list[int], n: int) -> dict:
@@ -111,8 +90,8 @@ def main() -> int:
         folder = tiny.make_tiny_chat(args.family, work / "hf", base)
     finally:
         tiny.make_tiny = make
-    weights = write_gguf(load_model(folder), work / "weights.gguf", QType[args.qtype])
-    path = with_tokenizer(weights, base, work / f"{args.family}.{args.qtype}.gguf")
+    path = work / f"{args.family}.{args.qtype}.gguf"
+    write_gguf(load_model(folder), path, QType[args.qtype], vocab_from=base)
     prompt = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     ids, logits = greedy_logits(load_model(path), prompt, steps=7)
     ours = ids[len(prompt) :] + [int(logits[-1].argmax())]

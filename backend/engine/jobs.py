@@ -95,7 +95,7 @@ class JobRunner:
                 part.route_list = r.route_list[a:b]
                 part.needed = tuple(sorted({e for es in part.route_list for e in es}))
                 y = self.experts.moe(layer, [part], [set(part.needed)], 1, x, part.route_w)
-                shared = t.shared_expert(layer, x)
+                shared = t.shared_expert(layer, x, prompt=True)
                 out = r.h[a:b] + (y if shared is None else y + shared)
             else:
                 out = r.h[a:b] + t.dense_mlp(layer, x)
@@ -126,7 +126,7 @@ class JobRunner:
             done = self._moe(layer, group, riders)
             outs = []
             for r in done:
-                shared = t.shared_expert(layer, r.x)
+                shared = t.shared_expert(layer, r.x, prompt=r.n != 1)
                 outs.append(r.h + (r.acc if shared is None else r.acc + shared))
         else:
             done = list(group)

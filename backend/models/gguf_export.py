@@ -102,15 +102,25 @@ def _add_linear_attention(w: gguf.GGUFWriter, c: ModelConfig) -> None:
     w.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
 
 
-def write_gguf(model, out: str | Path, qtype: QType = QType.F32) -> Path:
-    """``model`` is a ``LoadedModel``; experts are written fused (``ffn_*_exps``)."""
+def write_gguf(
+    model, out: str | Path, qtype: QType = QType.F32, vocab_from: str | Path | None = None
+) -> Path:
+    """``model`` is a ``LoadedModel``; experts are written fused (``ffn_*_exps``). With
+    ``vocab_from`` (a GGUF), its ``tokenizer.*`` keys are copied in."""
     resident = model.resident_experts(budget_mib=0)
 
     def experts(layer: int) -> list:
         return [resident.get(layer, e) for e in range(len(model.experts[layer]))]
 
     dense = {k: v for k, v in model.transformer.w.items()}
-    return _write(model.config, dense, experts, out, qtype)
+    return _write(model.config, dense, experts, out, qtype, vocab_from)
+
+
+def _copy_vocab(w: gguf.GGUFWriter, source: str | Path) -> None:
+    for key, f in gguf.GGUFReader(source).fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub)
 
 
 def convert_gpt_oss(folder: str | Path, out: str | Path, qtype: QType = QType.F32) -> Path:
@@ -160,7 +170,14 @@ def convert_gpt_oss(folder: str | Path, out: str | Path, qtype: QType = QType.F3
         files.close()
 
 
-def _write(config: ModelConfig, dense: dict, experts, out: str | Path, qtype: QType) -> Path:
+def _write(
+    config: ModelConfig,
+    dense: dict,
+    experts,
+    out: str | Path,
+    qtype: QType,
+    vocab_from: str | Path | None = None,
+) -> Path:
     """Write ``dense`` (canonical name -> tensor) and each sparse layer's ``experts(layer)``
     ([(gate, up, down)] per expert) as ``out``."""
     c = config
@@ -200,6 +217,8 @@ def _write(config: ModelConfig, dense: dict, experts, out: str | Path, qtype: QT
         w.add_expert_weights_norm(c.norm_topk_prob)
     if c.shared_expert_size:
         w.add_expert_shared_feed_forward_length(c.shared_expert_size)
+    if vocab_from is not None:
+        _copy_vocab(w, vocab_from)
     renames = _RENAMES.get(c.family, {})
     for canonical, tensor in dense.items():
         if canonical == "output" and c.tie_embeddings:

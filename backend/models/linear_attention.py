@@ -18,7 +18,7 @@ value heads (each key head serves Hv/Hk consecutive value heads), Dk/Dv their wi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from backend.models.config import ModelConfig
-    from backend.models.transformer import SeqSlice
+    from backend.models.transformer import SeqSlice, Transformer
 
 CHUNK = 64
 
@@ -87,28 +87,31 @@ def delta_rule(
 
 def linear_attention(
     c: ModelConfig,
-    w: dict[str, torch.Tensor],
-    fused: Callable[[str, torch.Tensor], torch.Tensor | None],
+    t: Transformer,
     layer: int,
     x: torch.Tensor,
     seqs: Sequence[SeqSlice],
+    prompt: bool = False,
 ) -> torch.Tensor:
     """The Gated DeltaNet of ``layer`` on normed rows ``x`` [T, D] of a batch of sequence
-    slices, each moving its own state on: [T, D]. ``fused(name, x)`` is the product by a
-    compiled kernel of the layer's stacked input projections ("ssm_in": q, k, v and the
-    gate z) or its output one ("ssm_out"), None where there is none."""
-    p = f"blk.{layer}."
+    slices, each moving its own state on: [T, D]. Its products go through ``t.linear``
+    (compiled row kernels for decoding rows), the input projections of q, k, v and the
+    gate z as one where they are stacked ("ssm_in"); ``prompt`` rows through BLAS."""
+    p, w = f"blk.{layer}.", t.w
     Hk, Hv, Dk, Dv = c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
-    both = fused(p + "ssm_in", x)
+    both = None if prompt else t._fused_linear(p + "ssm_in", x)
     if both is None:
-        qkv, z = F.linear(x, w[p + "attn_qkv"]), F.linear(x, w[p + "attn_gate"])
+        qkv, z = (
+            t.linear(p + "attn_qkv", x, None, prompt),
+            t.linear(p + "attn_gate", x, None, prompt),
+        )
     else:
         qkv, z = both.split((c.conv_dim, Hv * Dv), -1)
     qkv, z = qkv.float(), z.float().view(-1, Hv, Dv)  # [T, C], [T, Hv, Dv]
-    beta = torch.sigmoid(F.linear(x, w[p + "ssm_beta"]).float())  # [T, Hv]
+    beta = torch.sigmoid(t.linear(p + "ssm_beta", x, None, prompt).float())  # [T, Hv]
     # ssm_a holds -exp(A_log): g = -exp(A_log) softplus(a + dt_bias), a log-decay <= 0
     g = w[p + "ssm_a"].float() * F.softplus(
-        F.linear(x, w[p + "ssm_alpha"]).float() + w[p + "ssm_dt.bias"].float()
+        t.linear(p + "ssm_alpha", x, None, prompt).float() + w[p + "ssm_dt.bias"].float()
     )
     conv_w = w[p + "ssm_conv1d"].float()
     shapes = ((c.conv_dim, c.conv_kernel - 1), (Hv, Dk, Dv))
@@ -130,6 +133,4 @@ def linear_attention(
     # RMSNorm per value head (weight ssm_norm), then the SiLU gate z.
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c.rms_eps)
     y = ((w[p + "ssm_norm"].float() * normed) * F.silu(z)).reshape(x.shape[0], Hv * Dv)
-    y = y.to(x.dtype)
-    o = fused(p + "ssm_out", y)
-    return F.linear(y, w[p + "ssm_out"]) if o is None else o
+    return t.linear(p + "ssm_out", y.to(x.dtype), None, prompt)

@@ -308,7 +308,9 @@ def _fused_dense(
     """The dense weights decoding reads most, with compiled few-row kernels (see
     ``Transformer.fused``): each layer's q/k/v (stacked) and output projection where stored
     as Q4_0 / Q4_1 (kept in those blocks too), and the LM head (its float copy, and its
-    blocks where stored as Q8_0)."""
+    blocks where stored as Q8_0); and, on their float copies, the products decoding rows
+    would otherwise take to BLAS outside the native attention block: routers, shared
+    experts, Gated DeltaNet projections, Qwen3.5's attention."""
     refs = info.dense_refs
 
     def part(name: str) -> tuple[torch.Tensor, QType, tuple[int, int]]:
@@ -325,10 +327,24 @@ def _fused_dense(
             raw = untiled_blocks(info.config, name.split(".")[2], raw, shape[0])
         return None if raw is None else (raw, qtype, shape)
 
+    def rows(name: str) -> None:
+        """``name`` through the float32 row kernel where nothing faster covers it: a
+        decoding row's product is then the same bits in any batch (BLAS rounds a few rows
+        by how many there are), so the engine's tokens are plain generation's."""
+        t = dense[name]
+        if name not in out and t.dim() == 2:
+            out[name] = FusedWeight(t, QType.F32, (t.shape[0], t.shape[1]))
+
+    c = info.config
     out: dict[str, FusedWeight] = {}
-    for layer in range(info.config.n_layers):
+    for layer in range(c.n_layers):
         p = f"blk.{layer}."
-        if info.config.linear_layers[layer]:
+        if c.sparse_layers[layer]:
+            shared = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
+            for n in ("ffn_gate_inp", *shared):
+                if p + n in dense:
+                    rows(p + n)
+        if c.linear_layers[layer]:
             # A Gated DeltaNet's input projections of q, k, v and of its output gate as one,
             # and its output projection.
             parts = [linear_part(p + n) for n in ("attn_qkv", "attn_gate", "ssm_out")]
@@ -336,16 +352,24 @@ def _fused_dense(
                 out[p + "ssm_in"] = both
             if parts[2] and (proj := FusedWeight.stacked(parts[2:])):
                 out[p + "ssm_out"] = proj
+            for n in ("attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha"):
+                if n in ("attn_qkv", "attn_gate") and p + "ssm_in" in out:
+                    continue
+                rows(p + n)
             continue
         names = [p + n for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
-        if not any(refs[n].qtype in FUSABLE for n in names):
-            continue
-        qkv = FusedWeight.stacked([part(n) for n in names[:3]])
-        if qkv is not None:
-            out[p + "attn_qkv"] = qkv
-        o = FusedWeight.stacked([part(p + "attn_output")])
-        if o is not None:
-            out[p + "attn_output"] = o
+        if any(refs[n].qtype in FUSABLE for n in names):
+            qkv = FusedWeight.stacked([part(n) for n in names[:3]])
+            if qkv is not None:
+                out[p + "attn_qkv"] = qkv
+            o = FusedWeight.stacked([part(p + "attn_output")])
+            if o is not None:
+                out[p + "attn_output"] = o
+        if c.attn_gate:  # (no native block for Qwen3.5's attention: the ops take every row)
+            if p + "attn_qkv" not in out:
+                for n in names[:3]:
+                    rows(n)
+            rows(p + "attn_output")
     name = "token_embd" if info.config.tie_embeddings else "output"
     head = dense[name]
     ref = refs.get(name)

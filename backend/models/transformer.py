@@ -163,6 +163,19 @@ class Transformer:
         w = self.fused.get(name)
         return None if w is None else dense_linear(w, x)
 
+    def linear(
+        self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None, prompt: bool = False
+    ) -> torch.Tensor:
+        """x @ w[name].T (+ bias). Decoding rows go through the weight's compiled kernel
+        where it has one (each row's bits then independent of its batch-mates); ``prompt``
+        rows through BLAS, whose rows are likewise the same bits in any batch of more than
+        a few dozen rows (measured: ``docs/performance.md``), so that a prompt computes the
+        same alone as batched with others, in the engine's groups as in plain generation."""
+        y = None if prompt else self._fused_linear(name, x)
+        if y is None:
+            return F.linear(x, self.w[name], bias)
+        return y if bias is None else y + bias
+
     def warm_up(self) -> bool:
         """Compile the dense weights' kernels for every row bucket they take (seconds once;
         Inductor's disk cache makes later starts quick). True if all are ready; otherwise
@@ -210,9 +223,10 @@ class Transformer:
         """h + attention(norm(h)) for a batch of sequence slices; writes their KV (or, in
         a linear attention layer, moves their recurrent state on)."""
         c, w, p = self.config, self.w, f"blk.{layer}."
+        prompt = any(s.n != 1 for s in seqs)
         if c.linear_layers[layer]:
             x = rms_norm(h, w[p + "attn_norm"], c.rms_eps)
-            return h + linear_attention(c, w, self._fused_linear, layer, x, seqs)
+            return h + linear_attention(c, self, layer, x, seqs, prompt)
         T = h.shape[0]
         decoding = self._decoding(h, seqs)
         if decoding and h.dtype == torch.float32:
@@ -221,16 +235,17 @@ class Transformer:
                 return done[0]
         x = rms_norm(h, w[p + "attn_norm"], c.rms_eps)
         names = ("attn_q", "attn_k", "attn_v")
-        qkv = self._fused_linear(p + "attn_qkv", x)
+        qkv = None if prompt else self._fused_linear(p + "attn_qkv", x)
         qk = None  # q and k side by side in one buffer, when nothing but RoPE comes next
         if qkv is None:
-            q, k, v = (F.linear(x, w[p + n], w.get(p + n + ".bias")) for n in names)
+            q, k, v = (self.linear(p + n, x, w.get(p + n + ".bias"), prompt) for n in names)
         else:
             kv_width = c.n_kv_heads * c.head_dim
             q_width = c.n_heads * c.head_dim * (2 if c.attn_gate else 1)
             q, k, v = qkv.split((q_width, kv_width, kv_width), -1)
             biases = [w.get(p + n + ".bias") for n in names]
-            if not c.qk_norm and c.clip_qkv is None and biases[0] is None and biases[1] is None:
+            plain_qk = not c.qk_norm and not c.attn_gate and c.clip_qkv is None
+            if plain_qk and biases[0] is None and biases[1] is None:
                 qk = qkv[:, : (c.n_heads + c.n_kv_heads) * c.head_dim]
             q, k, v = (t if b is None else t + b for t, b in zip((q, k, v), biases, strict=True))
         gate = None
@@ -269,7 +284,7 @@ class Transformer:
                 q, k, v, caches, [s.start for s in seqs], c.head_dim**-0.5, window
             )
         if out is not None:
-            return h + self._attn_output(p, out, gate)
+            return h + self._attn_output(p, out, gate, prompt)
         out = torch.empty(T, c.n_heads, c.head_dim, dtype=h.dtype, device=h.device)
         row = 0
         rep = c.n_heads // c.n_kv_heads
@@ -319,7 +334,7 @@ class Transformer:
                 .reshape(s.n, c.n_heads, c.head_dim)
             )
             row += s.n
-        return h + self._attn_output(p, out.reshape(T, -1), gate)
+        return h + self._attn_output(p, out.reshape(T, -1), gate, prompt)
 
     def _sink_attention(
         self,
@@ -352,16 +367,13 @@ class Transformer:
         return out
 
     def _attn_output(
-        self, p: str, out: torch.Tensor, gate: torch.Tensor | None = None
+        self, p: str, out: torch.Tensor, gate: torch.Tensor | None, prompt: bool
     ) -> torch.Tensor:
         """The attention output projection of ``out`` [T, H*Dh] (and its bias, if any),
         scaled first by the sigmoid of ``gate`` [T, H*Dh] where the layer has one."""
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        o = self._fused_linear(p + "attn_output", out)
-        o = F.linear(out, self.w[p + "attn_output"]) if o is None else o
-        bias = self.w.get(p + "attn_output.bias")
-        return o if bias is None else o + bias
+        return self.linear(p + "attn_output", out, self.w.get(p + "attn_output.bias"), prompt)
 
     def attention_route(
         self, layer: int, h: torch.Tensor, seqs: Sequence[SeqSlice]
@@ -374,7 +386,7 @@ class Transformer:
         done = None
         if h.dtype == torch.float32 and self._decoding(h, seqs):
             done = self._decode_block(layer, h, seqs, ffn=True, router=sparse)
-        elif h.dtype == torch.float32 and len(seqs) > 1 and any(s.n == 1 for s in seqs):
+        elif len(seqs) > 1 and any(s.n == 1 for s in seqs) and any(s.n != 1 for s in seqs):
             mixed = self._route_mixed(layer, h, seqs, sparse)
             if mixed is not None:
                 return mixed
@@ -386,16 +398,17 @@ class Transformer:
         if not sparse:
             return h, x, None, None
         if ids is None:  # a router the kernel does not take
-            ids, weights = self.route(layer, x)
+            ids, weights = self.route(layer, x, any(s.n != 1 for s in seqs))
         return h, x, ids, weights
 
     def _route_mixed(
         self, layer: int, h: torch.Tensor, seqs: Sequence[SeqSlice], sparse: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         """``attention_route`` for a batch of decoding rows and prompts (a prompt's group
-        may take one-token riders): the decoding rows through the native block as if
-        alone, so that their results are the bits they get in any batch, the prompts
-        through the ops. None where the block does not take the decoding rows."""
+        may take one-token riders): the decoding rows as if alone (through the native
+        block where it takes them, else the ops on them alone), so that their results are
+        the bits they get in any batch, the prompts through the ops. None where one
+        sequence comes twice."""
         if len({id(s.kv) for s in seqs}) != len(seqs):
             return None
         ones = [s for s in seqs if s.n == 1]
@@ -404,10 +417,14 @@ class Transformer:
         for s in seqs:
             rows[s.n != 1].extend(range(at, at + s.n))
             at += s.n
-        done = self._decode_block(layer, h[rows[0]], ones, ffn=True, router=sparse)
+        done = None
+        if h.dtype == torch.float32 and h.device.type == "cpu":
+            done = self._decode_block(layer, h[rows[0]], ones, ffn=True, router=sparse)
         if done is None:
-            return None
-        h1, x1, _, ids1, w1 = done
+            h1 = self.attention_block(layer, h[rows[0]], ones)
+            x1, ids1, w1 = self.ffn_input(layer, h1), None, None
+        else:
+            h1, x1, _, ids1, w1 = done
         h2 = self.attention_block(layer, h[rows[1]], [s for s in seqs if s.n != 1])
         x2 = self.ffn_input(layer, h2)
         out_h, out_x = torch.empty_like(h), torch.empty_like(h)
@@ -416,7 +433,8 @@ class Transformer:
             idx = torch.tensor(part, device=h.device)
             out_h[idx], out_x[idx] = hh, xx
             if sparse:
-                i, w = (top, w1) if top is not None else self.route(layer, xx)
+                prompt = part is rows[1]
+                i, w = (top, w1) if top is not None else self.route(layer, xx, prompt)
                 if ids is None:
                     ids = i.new_empty(h.shape[0], i.shape[1])
                     weights = w.new_empty(h.shape[0], w.shape[1])
@@ -521,11 +539,14 @@ class Transformer:
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return rms_norm(h, self.w[f"blk.{layer}.ffn_norm"], self.config.rms_eps)
 
-    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, layer: int, x: torch.Tensor, prompt: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [T, K] and weights [T, K] (softmax over all, then top-k; or
-        ``router_softmax`` "topk": top-k of the logits, then their softmax)."""
+        ``router_softmax`` "topk": top-k of the logits, then their softmax) of decoding
+        rows, or of a prompt's (see ``linear``)."""
         p = f"blk.{layer}.ffn_gate_inp"
-        logits = F.linear(x, self.w[p], self.w.get(p + ".bias")).float()  # [T, E]
+        logits = self.linear(p, x, self.w.get(p + ".bias"), prompt).float()  # [T, E]
         if self.config.router_softmax == "topk":
             top, ids = logits.topk(self.config.top_k, dim=-1)
             return ids, top.softmax(-1).to(x.dtype)
@@ -585,19 +606,17 @@ class Transformer:
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 
-    def shared_expert(self, layer: int, x: torch.Tensor) -> torch.Tensor | None:
+    def shared_expert(
+        self, layer: int, x: torch.Tensor, prompt: bool = False
+    ) -> torch.Tensor | None:
+        """The sigmoid-gated shared expert of decoding rows ``x``, or of a prompt's."""
         if not self.config.shared_expert_size:
             return None
         p = f"blk.{layer}."
-        y = self.silu_mlp(
-            (
-                self.w[p + "ffn_gate_shexp"],
-                self.w[p + "ffn_up_shexp"],
-                self.w[p + "ffn_down_shexp"],
-            ),
-            x,
-        )
-        return torch.sigmoid(F.linear(x, self.w[p + "ffn_gate_inp_shexp"])) * y
+        gate = self.linear(p + "ffn_gate_shexp", x, prompt=prompt)
+        up = self.linear(p + "ffn_up_shexp", x, prompt=prompt)
+        y = self.linear(p + "ffn_down_shexp", F.silu(gate) * up, prompt=prompt)
+        return torch.sigmoid(self.linear(p + "ffn_gate_inp_shexp", x, prompt=prompt)) * y
 
     def dense_mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         p = f"blk.{layer}."
@@ -611,13 +630,15 @@ class Transformer:
         h: torch.Tensor,
         routed: Sequence[torch.Tensor | None],
         get_expert: GetExpert,
+        prompt: bool = False,
     ) -> torch.Tensor:
-        """h + the FFN of x, ``routed`` = (x, ids, weights) from ``attention_route``."""
+        """h + the FFN of x, ``routed`` = (x, ids, weights) from ``attention_route`` (of
+        decoding rows, or of prompts: see ``linear``)."""
         x, ids, weights = routed
         if not self.config.sparse_layers[layer]:
             return h + self.dense_mlp(layer, x)
         y = self.moe(layer, x, ids, weights, get_expert)
-        shared = self.shared_expert(layer, x)
+        shared = self.shared_expert(layer, x, prompt)
         return h + (y if shared is None else y + shared)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -646,9 +667,10 @@ class Transformer:
     ) -> torch.Tensor:
         """Logits for a batch of sequence slices (each slice's last token if ``last_only``)."""
         h = self.embed(ids)
+        prompt = any(s.n != 1 for s in seqs)
         for layer in range(self.config.n_layers):
             h, *routed = self.attention_route(layer, h, seqs)
-            h = self.ffn_block(layer, h, routed, get_expert)
+            h = self.ffn_block(layer, h, routed, get_expert, prompt)
         if last_only:
             ends = torch.tensor([0] + [s.n for s in seqs], device=h.device).cumsum(0)[1:] - 1
             h = h[ends]
