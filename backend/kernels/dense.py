@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -173,3 +174,14 @@ def dense_linear(w: FusedWeight, x: torch.Tensor) -> torch.Tensor | None:
 def warm_up_dense(w: FusedWeight) -> bool:
     """Compile every row bucket ``dense_linear`` will take for ``w``. True if ready."""
     return all(dense_linear(w, torch.zeros(m, w.shape[1])) is not None for m in ROW_BUCKETS)
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (SiLU, sigmoid, softplus) of ``x`` with each element's bits independent of
+    the tensor's size. Torch's CPU loops round an element by its vectorized or its scalar
+    path, and which elements fall to the scalar tail (and to each thread's) depends on
+    how many there are: a row would get other bits batched with other rows. The result
+    in float64 rounds to the same float32 either way."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return fn(x)
+    return fn(x.double()).float()

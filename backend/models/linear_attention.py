@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from backend.kernels.dense import rowwise
+
 if TYPE_CHECKING:
     from backend.models.config import ModelConfig
     from backend.models.transformer import SeqSlice, Transformer
@@ -108,11 +110,11 @@ def linear_attention(
     else:
         qkv, z = both.split((c.conv_dim, Hv * Dv), -1)
     qkv, z = qkv.float(), z.float().view(-1, Hv, Dv)  # [T, C], [T, Hv, Dv]
-    beta = torch.sigmoid(t.linear(p + "ssm_beta", x, None, prompt).float())  # [T, Hv]
+    # (The batch's gates through ``rowwise``: a row's bits must not depend on its batch.)
+    beta = rowwise(torch.sigmoid, t.linear(p + "ssm_beta", x, None, prompt).float())  # [T, Hv]
     # ssm_a holds -exp(A_log): g = -exp(A_log) softplus(a + dt_bias), a log-decay <= 0
-    g = w[p + "ssm_a"].float() * F.softplus(
-        t.linear(p + "ssm_alpha", x, None, prompt).float() + w[p + "ssm_dt.bias"].float()
-    )
+    a = t.linear(p + "ssm_alpha", x, None, prompt).float() + w[p + "ssm_dt.bias"].float()
+    g = w[p + "ssm_a"].float() * rowwise(F.softplus, a)
     conv_w = w[p + "ssm_conv1d"].float()
     shapes = ((c.conv_dim, c.conv_kernel - 1), (Hv, Dk, Dv))
     out = torch.empty(x.shape[0], Hv, Dv, dtype=torch.float32, device=x.device)
@@ -132,5 +134,5 @@ def linear_attention(
         row += s.n
     # RMSNorm per value head (weight ssm_norm), then the SiLU gate z.
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c.rms_eps)
-    y = ((w[p + "ssm_norm"].float() * normed) * F.silu(z)).reshape(x.shape[0], Hv * Dv)
+    y = ((w[p + "ssm_norm"].float() * normed) * rowwise(F.silu, z)).reshape(x.shape[0], Hv * Dv)
     return t.linear(p + "ssm_out", y.to(x.dtype), None, prompt)

@@ -340,8 +340,7 @@ def _fused_dense(
     for layer in range(c.n_layers):
         p = f"blk.{layer}."
         if c.sparse_layers[layer]:
-            shared = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
-            for n in ("ffn_gate_inp", *shared):
+            for n in ("ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
                 if p + n in dense:
                     rows(p + n)
         if c.linear_layers[layer]:

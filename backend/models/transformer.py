@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.kernels import native
-from backend.kernels.dense import FusedWeight, dense_linear, warm_up_dense
+from backend.kernels.dense import FusedWeight, dense_linear, rowwise, warm_up_dense
 from backend.models import rope
 from backend.models.config import ModelConfig
 from backend.models.linear_attention import linear_attention
@@ -372,7 +372,7 @@ class Transformer:
         """The attention output projection of ``out`` [T, H*Dh] (and its bias, if any),
         scaled first by the sigmoid of ``gate`` [T, H*Dh] where the layer has one."""
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = out * rowwise(torch.sigmoid, gate)
         return self.linear(p + "attn_output", out, self.w.get(p + "attn_output.bias"), prompt)
 
     def attention_route(
@@ -615,8 +615,11 @@ class Transformer:
         p = f"blk.{layer}."
         gate = self.linear(p + "ffn_gate_shexp", x, prompt=prompt)
         up = self.linear(p + "ffn_up_shexp", x, prompt=prompt)
-        y = self.linear(p + "ffn_down_shexp", F.silu(gate) * up, prompt=prompt)
-        return torch.sigmoid(self.linear(p + "ffn_gate_inp_shexp", x, prompt=prompt)) * y
+        y = self.linear(p + "ffn_down_shexp", rowwise(F.silu, gate) * up, prompt=prompt)
+        # Its gate is one output: a sum per row (BLAS rounds a one-column product by how
+        # many rows there are, even past the few dozen where it rounds wider ones alike).
+        gate_logit = (x * self.w[p + "ffn_gate_inp_shexp"]).sum(-1, keepdim=True)
+        return rowwise(torch.sigmoid, gate_logit) * y
 
     def dense_mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         p = f"blk.{layer}."

@@ -358,3 +358,23 @@ def test_rope_sections_turn_every_pair_by_the_text_position(folder: Path, tmp_pa
     assert sum(sections) == pairs
     for i in range(pairs):
         assert i < 3 * sections[i % 3], (i, sections)
+
+
+def test_a_prompt_gets_the_same_bits_alone_as_batched(folder: Path, tmp_path: Path) -> None:
+    """The engine groups prompts as its policy schedules them; plain generation batches
+    them all. A prompt of a few dozen tokens must compute the same bits either way: BLAS
+    rounds such products alike, and the flat [T, Hv] gates (sigmoid, softplus) round in
+    float64 so that the vectorized loop's scalar tail, which moves with T, cannot change
+    a row (found on a random model whose flat logits turned that into other tokens)."""
+    model = load_model(write_gguf(load_model(folder), tmp_path / "q8.gguf", QType.Q8_0))
+    t, get = model.transformer, model.resident_experts(native=True).for_compute
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (41, 37, 50, 45)]
+
+    def last_logits(ps: list[list[int]]) -> torch.Tensor:
+        seqs = [SeqSlice(KVCache(4), 0, len(p)) for p in ps]
+        return t.forward(torch.tensor([i for p in ps for i in p]), seqs, get)
+
+    batched = last_logits(prompts)
+    for i, p in enumerate(prompts):
+        assert torch.equal(last_logits([p])[0], batched[i]), i
