@@ -176,6 +176,9 @@ def warm_up_dense(w: FusedWeight) -> bool:
     return all(dense_linear(w, torch.zeros(m, w.shape[1])) is not None for m in ROW_BUCKETS)
 
 
+ROWWISE_BLOCK = 1024  # rows of a long prompt ``rowwise`` takes at a time
+
+
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``fn`` (SiLU, sigmoid, softplus) of ``x`` with each element's bits independent of
     the tensor's size. Torch's CPU loops round an element by its vectorized or its scalar
@@ -184,4 +187,10 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     in float64 rounds to the same float32 either way."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return fn(x)
-    return fn(x.double()).float()
+    if x.dim() < 2 or x.shape[0] <= ROWWISE_BLOCK:
+        return fn(x.double()).float()
+    # A long prompt a block of rows at a time: its float64 copy stays small.
+    out = torch.empty_like(x)
+    for i in range(0, x.shape[0], ROWWISE_BLOCK):
+        out[i : i + ROWWISE_BLOCK] = fn(x[i : i + ROWWISE_BLOCK].double())
+    return out

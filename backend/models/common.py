@@ -184,7 +184,8 @@ def _attention_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         p + "attn_output": (D, q),
     }
     if c.attn_bias:
-        shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
+        q_bias = (2 * q if c.attn_gate else q,)
+        shapes |= {p + "attn_q.bias": q_bias, p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)}
     if c.attn_out_bias:
         shapes[p + "attn_output.bias"] = (D,)
     if c.attn_sinks:

@@ -50,11 +50,14 @@ def from_hf(cfg: dict) -> ModelConfig:
 
 
 def from_gguf(g: GGUFFile) -> ModelConfig:
-    n_layers = int(g.get("block_count"))
+    # llama.cpp's converter keeps the multi-token-prediction block as the last
+    # ``nextn_predict_layers`` blocks (named like the others); generation never runs it.
+    n_layers = int(g.get("block_count")) - int(g.get("nextn_predict_layers", 0) or 0)
     recurrent = g.get("attention.recurrent_layers")
     if recurrent is None:
         every = int(g.get("full_attention_interval", 4) or 4)
         recurrent = [(i + 1) % every != 0 for i in range(n_layers)]
+    recurrent = list(recurrent)[:n_layers]
     # llama.cpp reads one head width for keys and values of the linear layers.
     width = int(g.get("ssm.state_size", 0) or 0)
     v_heads = int(g.get("ssm.time_step_rank", 0) or 0)
@@ -64,6 +67,7 @@ def from_gguf(g: GGUFFile) -> ModelConfig:
     return gguf_config(
         g,
         "qwen3_5_moe",
+        n_layers=n_layers,
         expert_intermediate_size=int(g.get("expert_feed_forward_length")),
         shared_expert_size=int(g.get("expert_shared_feed_forward_length", 0) or 0),
         linear_layers=tuple(bool(b) for b in recurrent),

@@ -70,7 +70,8 @@ FAMILY_CONFIGS = {
         },
     ),
     # Gated DeltaNet layers 0 and 2, gated attention layers 1 and 3 (full_attention_interval
-    # 2); twice as many linear value heads as key heads, so their order in GGUF matters.
+    # 2); three linear value heads per key head (not as many as key heads), so that their
+    # tiled order in GGUF, and which way it is undone, matters.
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
         {
@@ -81,7 +82,7 @@ FAMILY_CONFIGS = {
             "shared_expert_intermediate_size": 48,
             "head_dim": 16,
             "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
+            "linear_num_value_heads": 6,
             "linear_key_head_dim": 16,
             "linear_value_head_dim": 16,
             "layer_types": ["linear_attention", "full_attention"] * 2,

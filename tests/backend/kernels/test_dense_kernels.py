@@ -179,3 +179,16 @@ def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch
     _, plain = greedy_logits(model, [3, 17, 42, 5], steps=6)
     assert not any(out is not None for _, out in blocks[before:])  # the ops, not the block
     assert (fused - plain).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("fn", [torch.sigmoid, F.silu, F.softplus])
+def test_rowwise_gives_a_row_the_same_bits_in_any_batch(fn) -> None:
+    """``rowwise`` (the gates of Qwen3.5 and the shared experts): a row alone, among a
+    few, and among thousands (taken a block at a time) is the same bits."""
+    from backend.kernels.dense import ROWWISE_BLOCK, rowwise
+
+    x = torch.randn(2 * ROWWISE_BLOCK + 37, 7, generator=torch.Generator().manual_seed(0)) * 4
+    whole = rowwise(fn, x)
+    assert torch.equal(whole, fn(x.double()).float())
+    for rows in (slice(0, 1), slice(5, 12), slice(ROWWISE_BLOCK - 3, ROWWISE_BLOCK + 40)):
+        assert torch.equal(rowwise(fn, x[rows]), whole[rows])

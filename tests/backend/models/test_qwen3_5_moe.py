@@ -97,8 +97,8 @@ def _reference(model, ids: list[int]) -> torch.Tensor:
 def test_config_from_the_hf_folder(folder: Path) -> None:
     c = load_model(folder).config
     assert c.family == "qwen3_5_moe" and c.linear_layers == (True, False, True, False)
-    assert (c.rotary_dim, c.attn_gate, c.shared_expert_size, c.conv_dim) == (4, True, 48, 128)
-    assert c.attention_layers == 2 and c.state_bytes == 2 * 4 * (128 * 3 + 4 * 16 * 16)
+    assert (c.rotary_dim, c.attn_gate, c.shared_expert_size, c.conv_dim) == (4, True, 48, 160)
+    assert c.attention_layers == 2 and c.state_bytes == 2 * 4 * (160 * 3 + 6 * 16 * 16)
 
 
 def test_matches_transformers_from_the_hf_folder(folder: Path) -> None:
@@ -115,13 +115,13 @@ def test_matches_transformers_from_our_gguf(folder: Path, tmp_path: Path, qtype:
     assert g.arch == "qwen35moe" and g.get("full_attention_interval") == 2
     assert (g.get("ssm.group_count"), g.get("ssm.time_step_rank"), g.get("ssm.state_size")) == (
         2,
-        4,
+        6,
         16,
     )
     assert g.get("rope.dimension_count") == 4
     for name in ("blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.1.post_attention_norm.weight"):
         assert name in g.tensors, name
-    assert g.tensors["blk.0.ssm_conv1d.weight"].shape == (128, 4)
+    assert g.tensors["blk.0.ssm_conv1d.weight"].shape == (160, 4)
     model = load_model(path)
     assert model.config.linear_layers == (True, False, True, False)
     ids, ours = greedy_logits(model, PROMPT, steps=8)
@@ -139,8 +139,8 @@ def test_value_heads_are_stored_tiled_in_gguf(folder: Path, tmp_path: Path) -> N
     with open(ref.path, "rb") as f:
         f.seek(ref.offset)
         stored = np.frombuffer(f.read(ref.nbytes), np.float32)
-    ours = model.transformer.w["blk.0.ssm_a"].numpy()  # grouped: (g0 r0, g0 r1, g1 r0, g1 r1)
-    assert np.array_equal(stored, ours[[0, 2, 1, 3]])
+    ours = model.transformer.w["blk.0.ssm_a"].numpy()  # grouped: g0 r0, g0 r1, g0 r2, g1 r0, ...
+    assert np.array_equal(stored, ours[[0, 3, 1, 4, 2, 5]])
 
 
 def test_each_piece_matters(folder: Path) -> None:
@@ -287,7 +287,8 @@ def test_quantized_blocks_reorder_as_the_weights_do(folder: Path, name: str) -> 
     from backend.models.qwen3_5_moe import fix_tensor, untiled_blocks
 
     c = dataclasses.replace(load_model(folder).config, linear_k_dim=32, linear_v_dim=32)
-    rows, cols = {"attn_qkv": (c.conv_dim, 64), "attn_gate": (128, 64), "ssm_out": (64, 128)}[name]
+    v = c.linear_v_heads * c.linear_v_dim
+    rows, cols = {"attn_qkv": (c.conv_dim, 64), "attn_gate": (v, 64), "ssm_out": (64, v)}[name]
     w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
     raw = torch.from_numpy(gguf.quants.quantize(w, QType.Q4_0).reshape(-1).copy())
     moved = untiled_blocks(c, name, raw, rows)
@@ -378,3 +379,34 @@ def test_a_prompt_gets_the_same_bits_alone_as_batched(folder: Path, tmp_path: Pa
     batched = last_logits(prompts)
     for i, p in enumerate(prompts):
         assert torch.equal(last_logits([p])[0], batched[i]), i
+
+
+def test_the_multi_token_prediction_block_is_not_run(folder: Path, tmp_path: Path) -> None:
+    """llama.cpp's converter keeps the MTP head as one more block (blk.N, named like the
+    others, ``nextn_predict_layers`` 1, ``recurrent_layers`` padded with False): the file
+    has 4 layers to run, not 5."""
+    plain = write_gguf(load_model(folder), tmp_path / "plain.gguf")
+    r = gguf.GGUFReader(plain)
+    w = gguf.GGUFWriter(tmp_path / "mtp.gguf", "qwen35moe")
+    skip = ("general.architecture", "qwen35moe.block_count", "qwen35moe.full_attention_interval")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key in skip:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    w.add_block_count(5)
+    w.add_uint32("qwen35moe.nextn_predict_layers", 1)
+    w.add_array("qwen35moe.attention.recurrent_layers", [True, False, True, False, False])
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        if t.name.startswith("blk.3."):  # the MTP block: an attention layer's tensors
+            w.add_tensor("blk.4." + t.name[6:], t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model = load_model(tmp_path / "mtp.gguf")
+    assert model.config.n_layers == 4 and model.config.linear_layers == (True, False) * 2
+    _, ours = greedy_logits(model, PROMPT, steps=2)
+    _, ref = greedy_logits(load_model(plain), PROMPT, steps=2)
+    assert torch.equal(ours, ref)
