@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from backend.errors import ModelLoadError
 from backend.formats.gguf import GGUFFile
@@ -14,6 +13,9 @@ from backend.formats.tensors import TensorRef
 from backend.models import rope
 from backend.models.config import ModelConfig
 from backend.models.weights import ExpertRef
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,9 @@ def _gguf_layout(
 
     def expert(layer: int, e: int) -> tuple[TensorRef, ...]:
         p = f"blk.{layer}."
+        if p + "ffn_gate_up_exps.weight" in g.tensors:  # llama.cpp's --fuse-gate-up-exps
+            gate_up = g.tensors[p + "ffn_gate_up_exps.weight"]
+            return _fused_gate_up(gate_up, g.tensors[p + "ffn_down_exps.weight"], e)
         if p + "ffn_gate_exps.weight" in g.tensors:
             fused = [g.tensors[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")]
             return tuple(
@@ -175,15 +178,16 @@ def _hf_layout(
     def expert(layer: int, e: int) -> tuple[TensorRef, ...]:
         p = f"{root}layers.{layer}.{moe}.experts."
         if p + "gate_up_proj" in h.tensors:
-            return _fused_hf_expert(h.tensors[p + "gate_up_proj"], h.tensors[p + "down_proj"], e)
+            return _fused_gate_up(h.tensors[p + "gate_up_proj"], h.tensors[p + "down_proj"], e)
         return tuple(h.tensors[f"{p}{e}.{n}.weight"] for n in fam.hf_expert_names)
 
     return fam, config, name, expert
 
 
-def _fused_hf_expert(gate_up: TensorRef, down: TensorRef, e: int) -> tuple[TensorRef, ...]:
-    """Expert ``e`` of transformers' fused tensors, gate_up [E, 2I, D] (gate's rows, then
-    up's) and down [E, D, I]: each part is one byte range, as in a GGUF's fused experts."""
+def _fused_gate_up(gate_up: TensorRef, down: TensorRef, e: int) -> tuple[TensorRef, ...]:
+    """Expert ``e`` of fused tensors gate_up [E, 2I, D] (gate's rows, then up's; as
+    transformers keeps them, and llama.cpp's ``ffn_gate_up_exps``) and down [E, D, I]:
+    each part is one byte range (rows are whole blocks in every GGUF type)."""
     if len(gate_up.shape) != 3 or len(down.shape) != 3 or gate_up.shape[1] % 2:
         raise KeyError(f"experts.gate_up_proj {list(gate_up.shape)}")
     per, rows = gate_up.nbytes // gate_up.shape[0], gate_up.shape[1] // 2

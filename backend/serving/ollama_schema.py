@@ -4,10 +4,12 @@ described in Ollama's listings. Plain data, no server: ``ollama_api`` does the I
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from backend.models.common import expected_shapes
 from backend.models.config import ModelConfig
 from backend.serving.api_errors import ApiError, validation_error
 from backend.serving.openai_schema import ChatCompletionRequest
@@ -180,18 +182,11 @@ def openai_message(i: int, m: Any) -> dict:
 
 
 def parameter_count(c: ModelConfig) -> int:
-    """The model's weights, counted from its shapes (embeddings, attention, experts)."""
-    d = c.hidden_size
-    attn = d * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
-    total = c.vocab_size * d * (1 if c.tie_embeddings else 2)
-    for sparse in c.sparse_layers:
-        if sparse:
-            mlp = c.n_experts * (3 * d * c.expert_intermediate_size + d)
-            mlp += 3 * d * c.shared_expert_size
-        else:
-            mlp = 3 * d * c.intermediate_size
-        total += attn + mlp
-    return total
+    """The model's weights, counted from the shapes its config implies: every resident
+    tensor (``expected_shapes``: embeddings, attention or linear attention, norms,
+    routers, shared experts) and every routed expert."""
+    dense = sum(math.prod(shape) for shape in expected_shapes(c).values())
+    return dense + c.n_routed_experts * 3 * c.hidden_size * c.expert_intermediate_size
 
 
 def size_label(n: int) -> str:

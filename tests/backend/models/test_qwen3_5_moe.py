@@ -410,3 +410,47 @@ def test_the_multi_token_prediction_block_is_not_run(folder: Path, tmp_path: Pat
     _, ours = greedy_logits(model, PROMPT, steps=2)
     _, ref = greedy_logits(load_model(plain), PROMPT, steps=2)
     assert torch.equal(ours, ref)
+
+
+def test_fused_gate_up_experts_in_gguf(folder: Path, tmp_path: Path) -> None:
+    """llama.cpp's converter can write each layer's gate and up experts as one
+    ``ffn_gate_up_exps`` [E, 2I, D] (``--fuse-gate-up-exps``): each expert's gate and up
+    are cut from it as byte ranges, quantized rows included."""
+    plain = write_gguf(load_model(folder), tmp_path / "plain.gguf", QType.Q8_0)
+    r = gguf.GGUFReader(plain)
+    w = gguf.GGUFWriter(tmp_path / "fused.gguf", "qwen35moe")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    tensors = {t.name: t for t in r.tensors}
+    for t in r.tensors:
+        if t.name.endswith("ffn_up_exps.weight"):
+            continue
+        if t.name.endswith("ffn_gate_exps.weight"):
+            up = tensors[t.name.replace("gate", "up")]
+            both = np.concatenate((t.data, up.data), axis=1)
+            w.add_tensor(t.name.replace("gate_exps", "gate_up_exps"), both, raw_dtype=t.tensor_type)
+            continue
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fused = load_model(tmp_path / "fused.gguf")
+    assert "blk.0.ffn_gate_up_exps.weight" in read_gguf(tmp_path / "fused.gguf").tensors
+    _, ours = greedy_logits(fused, PROMPT, steps=2)
+    _, ref = greedy_logits(load_model(plain), PROMPT, steps=2)
+    assert torch.equal(ours, ref)
+
+
+def test_the_parameter_count_the_apis_report(folder: Path) -> None:
+    """Ollama's /api/show and /api/tags report the parameter count: from the shapes the
+    config implies, linear attention layers and the q gate included."""
+    import transformers
+
+    from backend.serving.ollama_schema import parameter_count
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert parameter_count(load_model(folder).config) == hf.num_parameters()
