@@ -87,6 +87,40 @@ def delta_rule(
     return out
 
 
+def _decode_step(
+    c: ModelConfig,
+    layer: int,
+    qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_w: torch.Tensor,
+    seqs: Sequence[SeqSlice],
+    shapes: tuple[tuple[int, ...], tuple[int, ...]],
+) -> torch.Tensor:
+    """One new token for each of B sequences ``seqs`` (qkv [B, C], g and beta [B, Hv]),
+    their states stacked so that each op runs once for all: [B, Hv, Dv]. Each sequence's
+    bits do not depend on B: the conv is a sum per channel, the matmuls are per (sequence,
+    head) (a batched matmul computes each alike, measured), and the flat exp and SiLU go
+    through ``rowwise``; every decoding step of every batch takes this path."""
+    Hk, Hv, Dk, Dv = c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim
+    B = len(seqs)
+    states = [s.kv.recurrent(layer, s.start, shapes, qkv.device) for s in seqs]
+    full = torch.cat((torch.stack([conv for conv, _ in states]), qkv[:, :, None]), 2)  # [B, C, K]
+    mixed = rowwise(F.silu, (full * conv_w).sum(-1))  # [B, C]
+    q, k, v = mixed.split((Hk * Dk, Hk * Dk, Hv * Dv), -1)
+    q, k = (_l2norm(m.reshape(B, Hk, Dk)) for m in (q, k))
+    q = q * Dk**-0.5
+    q, k = (m.repeat_interleave(Hv // Hk, 1) for m in (q, k))  # [B, Hv, Dk]
+    S = torch.stack([mem for _, mem in states]) * rowwise(torch.exp, g)[..., None, None]
+    u = beta[..., None, None] * (v.reshape(B, Hv, 1, Dv) - k[:, :, None, :] @ S)
+    new = S + k[..., None] @ u  # [B, Hv, Dk, Dv]
+    for i, (s, (conv, mem)) in enumerate(zip(seqs, states, strict=True)):
+        conv.copy_(full[i, :, 1:])
+        mem.copy_(new[i])
+        s.kv.keep_recurrent(layer, s.start + 1, conv, mem)
+    return (q[:, :, None, :] @ new)[:, :, 0]
+
+
 def linear_attention(
     c: ModelConfig,
     t: Transformer,
@@ -117,21 +151,24 @@ def linear_attention(
     g = w[p + "ssm_a"].float() * rowwise(F.softplus, a)
     conv_w = w[p + "ssm_conv1d"].float()
     shapes = ((c.conv_dim, c.conv_kernel - 1), (Hv, Dk, Dv))
-    out = torch.empty(x.shape[0], Hv, Dv, dtype=torch.float32, device=x.device)
-    row = 0
-    for s in seqs:
-        rows = slice(row, row + s.n)
-        conv, mem = s.kv.recurrent(layer, s.start, shapes, x.device)
-        mixed = causal_conv(qkv[rows].T, conv, conv_w).T  # [n, C]
-        q, k, v = mixed.split((Hk * Dk, Hk * Dk, Hv * Dv), -1)
-        q, k = (_l2norm(t.reshape(s.n, Hk, Dk)) for t in (q, k))
-        q = q * Dk**-0.5
-        q, k = (t.repeat_interleave(Hv // Hk, 1).transpose(0, 1) for t in (q, k))
-        v = v.reshape(s.n, Hv, Dv).transpose(0, 1)
-        o = delta_rule(q, k, v, g[rows].T, beta[rows].T, mem)  # [Hv, n, Dv]
-        s.kv.keep_recurrent(layer, s.start + s.n, conv, mem)
-        out[rows] = o.transpose(0, 1)
-        row += s.n
+    if all(s.n == 1 for s in seqs):
+        out = _decode_step(c, layer, qkv, g, beta, conv_w, seqs, shapes)
+    else:
+        out = torch.empty(x.shape[0], Hv, Dv, dtype=torch.float32, device=x.device)
+        row = 0
+        for s in seqs:
+            rows = slice(row, row + s.n)
+            conv, mem = s.kv.recurrent(layer, s.start, shapes, x.device)
+            mixed = causal_conv(qkv[rows].T, conv, conv_w).T  # [n, C]
+            q, k, v = mixed.split((Hk * Dk, Hk * Dk, Hv * Dv), -1)
+            q, k = (_l2norm(m.reshape(s.n, Hk, Dk)) for m in (q, k))
+            q = q * Dk**-0.5
+            q, k = (m.repeat_interleave(Hv // Hk, 1).transpose(0, 1) for m in (q, k))
+            v = v.reshape(s.n, Hv, Dv).transpose(0, 1)
+            o = delta_rule(q, k, v, g[rows].T, beta[rows].T, mem)  # [Hv, n, Dv]
+            s.kv.keep_recurrent(layer, s.start + s.n, conv, mem)
+            out[rows] = o.transpose(0, 1)
+            row += s.n
     # RMSNorm per value head (weight ssm_norm), then the SiLU gate z.
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + c.rms_eps)
     y = ((w[p + "ssm_norm"].float() * normed) * rowwise(F.silu, z)).reshape(x.shape[0], Hv * Dv)

@@ -454,3 +454,29 @@ def test_the_parameter_count_the_apis_report(folder: Path) -> None:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert parameter_count(load_model(folder).config) == hf.num_parameters()
+
+
+def test_a_decoding_step_gets_the_same_bits_alone_as_batched(folder: Path, tmp_path: Path) -> None:
+    """Decoding rows of several requests move their states in one stacked step
+    (``linear_attention._decode_step``): each request's logits are the bits it gets
+    decoding alone, as the engine's groups of any size need."""
+    # Q4_0: its experts run on the native kernels, a row at a time (BLAS would round the
+    # rows an expert gets by how many there are).
+    model = load_model(write_gguf(load_model(folder), tmp_path / "q4.gguf", QType.Q4_0))
+    t, get = model.transformer, model.resident_experts(native=True).for_compute
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (41, 9, 50)]
+
+    def prefilled() -> list[KVCache]:
+        kvs = [KVCache(4) for _ in prompts]
+        for kv, p in zip(kvs, prompts, strict=True):
+            t.forward(torch.tensor(p), [SeqSlice(kv, 0, len(p))], get)
+        return kvs
+
+    nxt = [5, 17, 33]
+    kvs = prefilled()
+    seqs = [SeqSlice(kv, len(p), 1) for kv, p in zip(kvs, prompts, strict=True)]
+    batched = t.forward(torch.tensor(nxt), seqs, get)
+    for i, (kv, p) in enumerate(zip(prefilled(), prompts, strict=True)):
+        alone = t.forward(torch.tensor([nxt[i]]), [SeqSlice(kv, len(p), 1)], get)
+        assert torch.equal(alone[0], batched[i]), i
