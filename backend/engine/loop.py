@@ -365,8 +365,7 @@ class Engine:
             if any(type(i) is not int or not 0 <= i < vocab for i in ids):
                 raise BevyError(f"prompt token ids must be in [0, {vocab})")
             budget = self.config.kv_budget_mib << 20
-            tokens = min(len(ids) + msg.params.max_tokens, ctx)
-            if tokens * self.kv_bytes_per_token + self.model.config.state_bytes > budget:
+            if self._kv_bytes(min(len(ids) + msg.params.max_tokens, ctx)) > budget:
                 raise BevyError(
                     f"prompt + max_tokens needs more KV cache than the {self.config.kv_budget_mib} MiB budget"
                 )
@@ -392,9 +391,13 @@ class Engine:
     def _kv_tokens(self, r: Request) -> int:
         return min(r.budget_tokens, self.model.config.context_length)
 
+    def _kv_bytes(self, tokens: int) -> int:
+        """Bytes of KV (and recurrent state) a request of ``tokens`` may ever hold."""
+        return tokens * self.kv_bytes_per_token + self.model.config.state_bytes
+
     def _kv_need(self, r: Request) -> int:
-        """Bytes of KV (and recurrent state) ``r`` may ever hold: what admission counts."""
-        return self._kv_tokens(r) * self.kv_bytes_per_token + self.model.config.state_bytes
+        """What admission counts for ``r``."""
+        return self._kv_bytes(self._kv_tokens(r))
 
     def _admit(self) -> None:
         if not self.waiting:

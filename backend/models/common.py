@@ -37,6 +37,21 @@ class Family:
     extra: dict = field(default_factory=dict)
 
 
+# Tensors llama.cpp names without a ".weight" suffix.
+GGUF_BARE = ("ssm_a",)
+
+
+def gguf_name(fam: Family, canonical: str) -> str:
+    """The GGUF tensor name of canonical ``canonical`` in family ``fam``'s files."""
+    if fam.gguf_renames and canonical.startswith("blk."):
+        _, layer, rest = canonical.split(".", 2)
+        base, dot, suffix = rest.partition(".")
+        canonical = f"blk.{layer}.{fam.gguf_renames.get(base, base)}{dot}{suffix}"
+    if canonical.endswith(".bias") or canonical.split(".")[-1] in GGUF_BARE:
+        return canonical
+    return canonical + ".weight"
+
+
 def hf_config(cfg: dict, family: str, **overrides: object) -> ModelConfig:
     """The fields every HF decoder config has, plus family-specific overrides."""
     theta, scaling = rope.from_hf(cfg)

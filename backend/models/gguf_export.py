@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from backend.kernels.quants import QType
-from backend.models import rope
+from backend.models import registry, rope
+from backend.models.common import gguf_name
 from backend.models.config import ModelConfig
 from backend.models.qwen3_5_moe import reorder_value_heads
 
@@ -25,11 +26,6 @@ _ARCH = {
     "qwen2_moe": "qwen2moe",
     "gpt_oss": "gpt-oss",
     "qwen3_5_moe": "qwen35moe",
-}
-# Canonical names llama.cpp calls otherwise, per family.
-_RENAMES = {
-    "gpt_oss": {"ffn_norm": "post_attention_norm"},
-    "qwen3_5_moe": {"ffn_norm": "post_attention_norm"},
 }
 # Kept in F32 whatever the target type, as llama.cpp's converter does: tensors whose
 # names contain these, and the embedding and output head themselves (not attn_output).
@@ -219,21 +215,17 @@ def _write(
         w.add_expert_shared_feed_forward_length(c.shared_expert_size)
     if vocab_from is not None:
         _copy_vocab(w, vocab_from)
-    renames = _RENAMES.get(c.family, {})
+    fam = registry.family(c.family)
     for canonical, tensor in dense.items():
         if canonical == "output" and c.tie_embeddings:
             continue
         arr = tensor.float().cpu().numpy()
         if arch == "llama" and canonical.split(".")[-1] in ("attn_q", "attn_k"):
             arr = _permute(arr, c.n_heads if canonical.endswith("attn_q") else c.n_kv_heads)
-        if canonical.startswith("blk."):
-            _, layer, rest = canonical.split(".", 2)
-            base, dot, suffix = rest.partition(".")
-            if c.family == "qwen3_5_moe":
-                arr = reorder_value_heads(c, base, torch.from_numpy(arr), to_gguf=True).numpy()
-            canonical = f"blk.{layer}.{renames.get(base, base)}{dot}{suffix}"
-        bare = canonical.endswith(".bias") or canonical.split(".")[-1] in ("ssm_a",)
-        name = canonical if bare else canonical + ".weight"
+        if c.family == "qwen3_5_moe" and canonical.startswith("blk."):
+            base = canonical.split(".")[2]
+            arr = reorder_value_heads(c, base, torch.from_numpy(arr), to_gguf=True).numpy()
+        name = gguf_name(fam, canonical)
         data, dtype = _encode(arr, name, qtype)
         w.add_tensor(name, data, raw_dtype=dtype)
     for layer, sparse in enumerate(c.sparse_layers):

@@ -10,7 +10,8 @@ A prompt runs in chunks of ``CHUNK`` tokens with the same result as token by tok
 chunk's corrections u solve one unit lower-triangular system (each correction depends on
 those before it through k_j . k_m), after which its outputs and the memory it leaves are
 matrix products. Within a chunk, decays enter only as exp(G_i - G_j) for j <= i and
-exp(G_i) (G the running sum of g <= 0), so nothing overflows.
+exp(G_i) (G the running sum of g <= 0), so nothing overflows. Decoding rows of every
+sequence in a batch take one stacked step (``_decode_step``).
 
 Legend: n tokens of one sequence, C conv channels (q, k, v), K conv kernel, Hk/Hv key and
 value heads (each key head serves Hv/Hk consecutive value heads), Dk/Dv their widths.
@@ -59,11 +60,6 @@ def delta_rule(
     scaled), v [H, n, Dv], log-decays g and write strengths beta [H, n], from memory
     ``mem`` [H, Dk, Dv], which it leaves holding the state after the last token."""
     H, n, _ = q.shape
-    if n == 1:  # one decoding step: the recurrence itself
-        S = mem * g.exp()[:, :, None]
-        u = beta[..., None] * (v - k @ S)  # [H, 1, Dv]
-        mem.copy_(S + k.transpose(1, 2) @ u)
-        return q @ mem
     out = v.new_empty(H, n, v.shape[-1])
     for i in range(0, n, CHUNK):
         j = min(n, i + CHUNK)

@@ -24,6 +24,7 @@ from backend.models.common import (
     check_expert,
     check_shape,
     expected_shapes,
+    gguf_name,
     with_sparse_layers,
 )
 from backend.models.config import ModelConfig
@@ -32,8 +33,6 @@ from backend.models.weights import ExpertRef, ResidentExperts
 
 Progress = Callable[[int, int], None]
 
-# Tensors llama.cpp names without a ".weight" suffix.
-_GGUF_BARE = ("ssm_a",)
 # Gated DeltaNet layers: our (llama.cpp's) names -> transformers' under ``linear_attn``,
 # and the parameters transformers keeps without a suffix.
 _HF_LINEAR = {
@@ -91,13 +90,7 @@ def _gguf_layout(
             )
 
     def name(canonical: str) -> str:
-        if fam.gguf_renames and canonical.startswith("blk."):
-            _, layer, rest = canonical.split(".", 2)
-            base, dot, suffix = rest.partition(".")
-            canonical = f"blk.{layer}.{fam.gguf_renames.get(base, base)}{dot}{suffix}"
-        if canonical.endswith(".bias") or canonical.split(".")[-1] in _GGUF_BARE:
-            return canonical
-        return canonical + ".weight"
+        return gguf_name(fam, canonical)
 
     def expert(layer: int, e: int) -> tuple[TensorRef, ...]:
         p = f"blk.{layer}."

@@ -11,6 +11,7 @@ from backend.engine.loop import Engine
 from backend.messages import Finished, Submit
 from backend.models.loader import LoadedModel
 from backend.policies import POLICIES
+from tests.helpers.reference import greedy_logits
 
 PROMPTS = [
     [3, 17, 42, 5, 88, 9, 1],
@@ -73,3 +74,25 @@ def assert_same_results(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
         assert f.token_ids == fin0[rid].token_ids, rid
         ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
         assert (ours - theirs).abs().max().item() <= 1e-5, rid
+
+
+def plain_references(model: LoadedModel) -> list[tuple[list[int], torch.Tensor]]:
+    """Each of ``PROMPTS`` alone through plain greedy generation: (its ``STEPS`` tokens,
+    their logits), what ``run_staggered``'s requests must reproduce."""
+    refs = []
+    for p in PROMPTS:
+        ids, logits = greedy_logits(model, p, STEPS - 1)
+        refs.append((ids[len(p) :] + [int(logits[-1].argmax())], logits))
+    return refs
+
+
+def assert_matches_references(
+    finished: dict[str, Finished], logits_log: dict, refs: list, skip: tuple[int, ...] = ()
+) -> None:
+    """Request ``r{i}``'s tokens are ``refs[i]``'s and its logits within 1e-4."""
+    for i, (tokens, logits) in enumerate(refs):
+        if i in skip:
+            continue
+        assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
+        ours = torch.stack(logits_log[f"r{i}"])
+        assert (ours - logits).abs().max().item() <= 1e-4, f"r{i}"

@@ -19,7 +19,12 @@ from backend.formats.gguf import read_gguf
 from backend.kernels.quants import QType
 from backend.models.gguf_export import convert_gpt_oss
 from backend.models.loader import LoadedModel, load_model
-from tests.helpers.engine_runs import ALL_POLICIES, PROMPTS, STEPS, run_staggered
+from tests.helpers.engine_runs import (
+    ALL_POLICIES,
+    assert_matches_references,
+    plain_references,
+    run_staggered,
+)
 from tests.helpers.reference import greedy_logits
 from tests.helpers.tiny import make_tiny
 
@@ -118,11 +123,7 @@ def test_hf_folder_is_refused_with_the_way_to_a_gguf(folder: Path) -> None:
 def engine_model(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     root = tmp_path_factory.mktemp("gpt-oss-engine")
     model = load_model(convert_gpt_oss(folder, root / "mxfp4.gguf", QType.MXFP4))
-    refs = []
-    for p in PROMPTS:
-        ids, logits = greedy_logits(model, p, STEPS - 1)
-        refs.append((ids[len(p) :] + [int(logits[-1].argmax())], logits))
-    return model, refs
+    return model, plain_references(model)
 
 
 @pytest.mark.parametrize("storage", ["ssd", "host"])
@@ -136,11 +137,7 @@ def test_every_policy_matches_plain_generation(
     eng = Engine(model, EngineConfig(policy=policy, cache=size, storage=storage))
     try:
         assert eng.expert_backend == "eager"  # the only one with the clamped SwiGLU
-        finished = run_staggered(eng)
-        for i, (tokens, logits) in enumerate(refs):
-            assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
-            ours = torch.stack(eng.logits_log[f"r{i}"])
-            assert (ours - logits).abs().max().item() <= 1e-4, f"r{i}"
+        assert_matches_references(run_staggered(eng), eng.logits_log, refs)
         assert sum(eng.cache.refs) == 0
     finally:
         eng.close()

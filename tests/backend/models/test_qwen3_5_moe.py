@@ -1,9 +1,9 @@
 """Qwen3.5-MoE against transformers: Gated DeltaNet layers (causal conv and recurrent
 state), gated attention with partial RoPE, zero-centred norms, routed + shared experts;
-from the Hugging Face folder, from our F32 GGUF (llama.cpp's names, keys and tiled value
-heads) and from a Q8_0 one against transformers running the ``gguf`` package's
-dequantized weights; then under the offloading engine, every policy, cache size and store
-against plain generation, with prompts read in slices and requests aborted mid-flight."""
+from the Hugging Face folder (the published multimodal layout too), from our F32 GGUF
+(llama.cpp's names, keys and tiled value heads) and from a Q8_0 one against transformers
+running the ``gguf`` package's dequantized weights; the GGUF layouts llama.cpp writes.
+The recurrent state under the engine: ``test_qwen3_5_moe_state.py``."""
 
 from __future__ import annotations
 
@@ -15,17 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from backend.config import EngineConfig, SamplingParams
-from backend.engine.loop import Engine
 from backend.formats.gguf import read_gguf
 from backend.kernels.quants import QType
-from backend.messages import Abort, Finished, Submit
-from backend.models import linear_attention, rope
+from backend.models import rope
 from backend.models.gguf_export import write_gguf
-from backend.models.loader import LoadedModel, load_model
+from backend.models.loader import load_model
 from backend.models.qwen3_5_moe import reorder_value_heads
-from backend.models.transformer import KVCache, SeqSlice
-from tests.helpers.engine_runs import ALL_POLICIES, PROMPTS, STEPS, drain, run_staggered
 from tests.helpers.reference import greedy_logits
 from tests.helpers.tiny import make_tiny
 
@@ -167,117 +162,6 @@ def test_each_piece_matters(folder: Path) -> None:
     assert (other - ours).abs().max().item() > 1e-3
 
 
-def test_chunks_and_slices_compute_what_one_token_at_a_time_does(folder: Path) -> None:
-    """The chunked delta rule, and a prompt read in uneven slices, match the recurrence
-    run token by token (the state carried across every boundary)."""
-    model = load_model(folder)
-    t = model.transformer
-    ids = torch.tensor(PROMPT)
-
-    def run(cuts: list[int]) -> torch.Tensor:
-        kv, out, start = KVCache(4), [], 0
-        for end in [*cuts, len(PROMPT)]:
-            seq = [SeqSlice(kv, start, end - start)]
-            out.append(t.forward(ids[start:end], seq, model.resident_experts().get, False))
-            start = end
-        return torch.cat(out)
-
-    whole = run([])
-    assert (run([1, 5, 6, 40, 66]) - whole).abs().max().item() <= 1e-4
-    assert (run(list(range(1, len(PROMPT)))) - whole).abs().max().item() <= 1e-4
-    with pytest.raises(RuntimeError, match="recurrent state holds"):
-        kv = KVCache(4)
-        t.forward(ids[:3], [SeqSlice(kv, 0, 3)], model.resident_experts().get)
-        t.forward(ids[:3], [SeqSlice(kv, 0, 3)], model.resident_experts().get)
-
-
-def test_delta_rule_chunk_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of 1, 3 and 64 give the same outputs and final state."""
-    gen = torch.Generator().manual_seed(3)
-    H, n, Dk, Dv = 3, 20, 8, 5
-    q, k = (
-        torch.nn.functional.normalize(torch.randn(H, n, Dk, generator=gen), dim=-1) for _ in "qk"
-    )
-    v = torch.randn(H, n, Dv, generator=gen)
-    g = -torch.rand(H, n, generator=gen) * 2
-    beta = torch.rand(H, n, generator=gen)
-    results = []
-    for chunk in (1, 3, 64):
-        monkeypatch.setattr(linear_attention, "CHUNK", chunk)
-        mem = torch.randn(H, Dk, Dv, generator=torch.Generator().manual_seed(5))
-        results.append((linear_attention.delta_rule(q, k, v, g, beta, mem), mem))
-    for out, mem in results[1:]:
-        assert (out - results[0][0]).abs().max().item() <= 1e-5
-        assert (mem - results[0][1]).abs().max().item() <= 1e-5
-
-
-@pytest.fixture(scope="module")
-def engine_model(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    root = tmp_path_factory.mktemp("qwen3.5-engine")
-    model = load_model(write_gguf(load_model(folder), root / "q8.gguf", QType.Q8_0))
-    refs = []
-    for p in PROMPTS:
-        ids, logits = greedy_logits(model, p, STEPS - 1)
-        refs.append((ids[len(p) :] + [int(logits[-1].argmax())], logits))
-    return model, refs
-
-
-@pytest.mark.parametrize("storage", ["ssd", "host"])
-@pytest.mark.parametrize("cache", ["min", "0.3", "1.0"])
-@pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_every_policy_matches_plain_generation(
-    engine_model: tuple[LoadedModel, list], policy: str, cache: str, storage: str
-) -> None:
-    model, refs = engine_model
-    size = str(model.config.top_k) if cache == "min" else cache
-    # Prompts read two tokens at a time: the state crosses slices and other requests' jobs.
-    config = EngineConfig(policy=policy, cache=size, storage=storage, prefill_chunk=2)
-    eng = Engine(model, config)
-    try:
-        finished = run_staggered(eng)
-        for i, (tokens, logits) in enumerate(refs):
-            assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
-            ours = torch.stack(eng.logits_log[f"r{i}"])
-            assert (ours - logits).abs().max().item() <= 1e-4, f"r{i}"
-        assert sum(eng.cache.refs) == 0
-    finally:
-        eng.close()
-
-
-@pytest.mark.parametrize("policy", ["bevy", "sync", "prefetch-gate"])
-def test_aborts_leave_the_others_exact(engine_model: tuple, policy: str) -> None:
-    """Requests aborted mid-prompt and mid-reply take their state with them; the rest
-    still match plain generation, and the budget counts each request's state."""
-    model, refs = engine_model
-    eng = Engine(model, EngineConfig(policy=policy, cache="0.3", storage="ssd", prefill_chunk=2))
-    try:
-        assert eng._kv_need(type("R", (), {"budget_tokens": 10})()) == (
-            10 * eng.kv_bytes_per_token + model.config.state_bytes
-        )
-        params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
-        eng.logits_log = {}
-        for i, p in enumerate(PROMPTS):
-            eng.submit(Submit(f"r{i}", params, prompt_ids=p))
-        for step in range(6):
-            if step == 1:
-                eng.submit(Abort("r2"))  # 12-token prompt: still being read
-            if step == 5:
-                eng.submit(Abort("r5"))
-            eng.step()
-        eng.run_until_idle(120)
-        finished = {e.request_id: e for e in drain(eng) if isinstance(e, Finished)}
-        for i, (tokens, logits) in enumerate(refs):
-            if i in (2, 5):
-                continue
-            assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
-            ours = torch.stack(eng.logits_log[f"r{i}"])
-            assert (ours - logits).abs().max().item() <= 1e-4, f"r{i}"
-        assert finished["r2"].reason == "abort" and finished["r5"].reason == "abort"
-        assert sum(eng.cache.refs) == 0 and not eng.running
-    finally:
-        eng.close()
-
-
 @pytest.mark.parametrize("name", ["attn_qkv", "attn_gate", "ssm_out"])
 def test_quantized_blocks_reorder_as_the_weights_do(folder: Path, name: str) -> None:
     """The compiled kernels read a GGUF's blocks: moved so that they hold what the
@@ -361,24 +245,32 @@ def test_rope_sections_turn_every_pair_by_the_text_position(folder: Path, tmp_pa
         assert i < 3 * sections[i % 3], (i, sections)
 
 
-def test_a_prompt_gets_the_same_bits_alone_as_batched(folder: Path, tmp_path: Path) -> None:
-    """The engine groups prompts as its policy schedules them; plain generation batches
-    them all. A prompt of a few dozen tokens must compute the same bits either way: BLAS
-    rounds such products alike, and the flat [T, Hv] gates (sigmoid, softplus) round in
-    float64 so that the vectorized loop's scalar tail, which moves with T, cannot change
-    a row (found on a random model whose flat logits turned that into other tokens)."""
-    model = load_model(write_gguf(load_model(folder), tmp_path / "q8.gguf", QType.Q8_0))
-    t, get = model.transformer, model.resident_experts(native=True).for_compute
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (41, 37, 50, 45)]
+def _rewritten(src: Path, out: Path, drop: tuple[str, ...], tensors, keys=None) -> Path:
+    """``src``'s GGUF as ``out``: its metadata less ``drop`` (plus what ``keys(writer)``
+    adds), each tensor ``t`` as the (name, data) pairs ``tensors(t)`` gives."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(out, "qwen35moe")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", *drop):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    if keys is not None:
+        keys(w)
+    for t in r.tensors:
+        for name, data in tensors(t):
+            w.add_tensor(name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
 
-    def last_logits(ps: list[list[int]]) -> torch.Tensor:
-        seqs = [SeqSlice(KVCache(4), 0, len(p)) for p in ps]
-        return t.forward(torch.tensor([i for p in ps for i in p]), seqs, get)
 
-    batched = last_logits(prompts)
-    for i, p in enumerate(prompts):
-        assert torch.equal(last_logits([p])[0], batched[i]), i
+def _same_logits(a: Path, b: Path) -> None:
+    _, ours = greedy_logits(load_model(a), PROMPT, steps=2)
+    _, ref = greedy_logits(load_model(b), PROMPT, steps=2)
+    assert torch.equal(ours, ref)
 
 
 def test_the_multi_token_prediction_block_is_not_run(folder: Path, tmp_path: Path) -> None:
@@ -386,30 +278,22 @@ def test_the_multi_token_prediction_block_is_not_run(folder: Path, tmp_path: Pat
     others, ``nextn_predict_layers`` 1, ``recurrent_layers`` padded with False): the file
     has 4 layers to run, not 5."""
     plain = write_gguf(load_model(folder), tmp_path / "plain.gguf")
-    r = gguf.GGUFReader(plain)
-    w = gguf.GGUFWriter(tmp_path / "mtp.gguf", "qwen35moe")
-    skip = ("general.architecture", "qwen35moe.block_count", "qwen35moe.full_attention_interval")
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key in skip:
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub)
-    w.add_block_count(5)
-    w.add_uint32("qwen35moe.nextn_predict_layers", 1)
-    w.add_array("qwen35moe.attention.recurrent_layers", [True, False, True, False, False])
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-        if t.name.startswith("blk.3."):  # the MTP block: an attention layer's tensors
-            w.add_tensor("blk.4." + t.name[6:], t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    model = load_model(tmp_path / "mtp.gguf")
-    assert model.config.n_layers == 4 and model.config.linear_layers == (True, False) * 2
-    _, ours = greedy_logits(model, PROMPT, steps=2)
-    _, ref = greedy_logits(load_model(plain), PROMPT, steps=2)
-    assert torch.equal(ours, ref)
+
+    def keys(w: gguf.GGUFWriter) -> None:
+        w.add_block_count(5)
+        w.add_uint32("qwen35moe.nextn_predict_layers", 1)
+        w.add_array("qwen35moe.attention.recurrent_layers", [True, False, True, False, False])
+
+    def tensors(t):  # the MTP block: a copy of the last attention layer's tensors
+        return [(t.name, t.data)] + (
+            [("blk.4." + t.name[6:], t.data)] if t.name.startswith("blk.3.") else []
+        )
+
+    drop = ("qwen35moe.block_count", "qwen35moe.full_attention_interval")
+    mtp = _rewritten(plain, tmp_path / "mtp.gguf", drop, tensors, keys)
+    config = load_model(mtp).config
+    assert config.n_layers == 4 and config.linear_layers == (True, False) * 2
+    _same_logits(mtp, plain)
 
 
 def test_fused_gate_up_experts_in_gguf(folder: Path, tmp_path: Path) -> None:
@@ -417,32 +301,19 @@ def test_fused_gate_up_experts_in_gguf(folder: Path, tmp_path: Path) -> None:
     ``ffn_gate_up_exps`` [E, 2I, D] (``--fuse-gate-up-exps``): each expert's gate and up
     are cut from it as byte ranges, quantized rows included."""
     plain = write_gguf(load_model(folder), tmp_path / "plain.gguf", QType.Q8_0)
-    r = gguf.GGUFReader(plain)
-    w = gguf.GGUFWriter(tmp_path / "fused.gguf", "qwen35moe")
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub)
-    tensors = {t.name: t for t in r.tensors}
-    for t in r.tensors:
-        if t.name.endswith("ffn_up_exps.weight"):
-            continue
-        if t.name.endswith("ffn_gate_exps.weight"):
-            up = tensors[t.name.replace("gate", "up")]
-            both = np.concatenate((t.data, up.data), axis=1)
-            w.add_tensor(t.name.replace("gate_exps", "gate_up_exps"), both, raw_dtype=t.tensor_type)
-            continue
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    fused = load_model(tmp_path / "fused.gguf")
-    assert "blk.0.ffn_gate_up_exps.weight" in read_gguf(tmp_path / "fused.gguf").tensors
-    _, ours = greedy_logits(fused, PROMPT, steps=2)
-    _, ref = greedy_logits(load_model(plain), PROMPT, steps=2)
-    assert torch.equal(ours, ref)
+    ups = {t.name: t.data for t in gguf.GGUFReader(plain).tensors if "ffn_up_exps" in t.name}
+
+    def tensors(t):
+        if "ffn_up_exps" in t.name:
+            return []
+        if "ffn_gate_exps" in t.name:
+            both = np.concatenate((t.data, ups[t.name.replace("gate", "up")]), axis=1)
+            return [(t.name.replace("gate_exps", "gate_up_exps"), both)]
+        return [(t.name, t.data)]
+
+    fused = _rewritten(plain, tmp_path / "fused.gguf", (), tensors)
+    assert "blk.0.ffn_gate_up_exps.weight" in read_gguf(fused).tensors
+    _same_logits(fused, plain)
 
 
 def test_the_parameter_count_the_apis_report(folder: Path) -> None:
@@ -454,29 +325,3 @@ def test_the_parameter_count_the_apis_report(folder: Path) -> None:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert parameter_count(load_model(folder).config) == hf.num_parameters()
-
-
-def test_a_decoding_step_gets_the_same_bits_alone_as_batched(folder: Path, tmp_path: Path) -> None:
-    """Decoding rows of several requests move their states in one stacked step
-    (``linear_attention._decode_step``): each request's logits are the bits it gets
-    decoding alone, as the engine's groups of any size need."""
-    # Q4_0: its experts run on the native kernels, a row at a time (BLAS would round the
-    # rows an expert gets by how many there are).
-    model = load_model(write_gguf(load_model(folder), tmp_path / "q4.gguf", QType.Q4_0))
-    t, get = model.transformer, model.resident_experts(native=True).for_compute
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (41, 9, 50)]
-
-    def prefilled() -> list[KVCache]:
-        kvs = [KVCache(4) for _ in prompts]
-        for kv, p in zip(kvs, prompts, strict=True):
-            t.forward(torch.tensor(p), [SeqSlice(kv, 0, len(p))], get)
-        return kvs
-
-    nxt = [5, 17, 33]
-    kvs = prefilled()
-    seqs = [SeqSlice(kv, len(p), 1) for kv, p in zip(kvs, prompts, strict=True)]
-    batched = t.forward(torch.tensor(nxt), seqs, get)
-    for i, (kv, p) in enumerate(zip(prefilled(), prompts, strict=True)):
-        alone = t.forward(torch.tensor([nxt[i]]), [SeqSlice(kv, len(p), 1)], get)
-        assert torch.equal(alone[0], batched[i]), i
