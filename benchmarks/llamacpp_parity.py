@@ -1,7 +1,7 @@
 """Our GGUF of a new family in llama.cpp's own server: the same greedy tokens and logprobs?
 
     python benchmarks/llamacpp_parity.py [--family qwen3_5_moe] [--qtype F32] [--layers LFLF]
-        [--llama-server PATH]
+        [--llama-server PATH] [--ggml-gelu]
 
 Writes a tiny random model of ``--family`` (transformers' reference config, SmolLM2's
 vocabulary so that llama.cpp has a tokenizer) as a GGUF with our exporter, then decodes
@@ -70,13 +70,35 @@ def _complete(exe: Path, model: Path, prompt: list[int], n: int, log) -> dict:
         server.wait()
 
 
+def _ggml_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU as ggml's CPU backend computes it (``GGML_GELU_FP16``): the input rounded to
+    fp16, the tanh approximation's value looked up for it and rounded to fp16; the input
+    itself from 10 on, 0 from -10 down."""
+    table = torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x >= 10, x, torch.where(x <= -10, torch.zeros_like(x), table))
+
+
+def _use_ggml_gelu() -> None:
+    from backend.models import gemma4, transformer
+
+    transformer.gelu_tanh = gemma4.gelu_tanh = _ggml_gelu
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", default="qwen3_5_moe", choices=sorted(tiny.FAMILY_CONFIGS))
     ap.add_argument("--qtype", default="F32", choices=["F32", "F16", "Q8_0", "Q4_0"])
     ap.add_argument("--layers", default="LFLF", help="qwen3_5_moe: L linear, F full attention")
     ap.add_argument("--llama-server", type=Path)
+    ap.add_argument(
+        "--ggml-gelu",
+        action="store_true",
+        help="compute GELU as ggml's CPU backend does (its fp16 table), to tell that "
+        "rounding from a difference in the file",
+    )
     args = ap.parse_args()
+    if args.ggml_gelu:
+        _use_ggml_gelu()
     exe = args.llama_server or build_llama_server(None)
     base = ensure_base_gguf(quiet=True)
     work = Path(tempfile.mkdtemp(prefix="llamacpp-parity-"))

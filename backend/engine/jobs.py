@@ -88,17 +88,14 @@ class JobRunner:
         if r.entering:
             out, nxt = r.emb[a:b], 0
         else:
-            x = r.x[a:b]
+            x, y = r.x[a:b], None
             if t.config.sparse_layers[layer]:
                 part = Request(r.id, [], r.params, n=b - a, x=x)
                 part.route_ids, part.route_w = r.route_ids[a:b], r.route_w[a:b]
                 part.route_list = r.route_list[a:b]
                 part.needed = tuple(sorted({e for es in part.route_list for e in es}))
                 y = self.experts.moe(layer, [part], [set(part.needed)], 1, x, part.route_w)
-                shared = t.shared_expert(layer, x, prompt=True)
-                out = r.h[a:b] + (y if shared is None else y + shared)
-            else:
-                out = r.h[a:b] + t.dense_mlp(layer, x)
+            out = t.ffn_output(layer, r.h[a:b], x, y, prompt=True)
             nxt = layer + 1
         r.row = b
         last = b == r.n
@@ -122,15 +119,11 @@ class JobRunner:
         the group computes anyway; their rows join those experts' products, so each
         expert's bytes are read once for all of them (see ``Policy.ride``)."""
         t, layer = self.t, (group[0] if group else riders[0][0]).layer
-        if t.config.sparse_layers[layer]:
-            done = self._moe(layer, group, riders)
-            outs = []
-            for r in done:
-                shared = t.shared_expert(layer, r.x, prompt=r.n != 1)
-                outs.append(r.h + (r.acc if shared is None else r.acc + shared))
-        else:
-            done = list(group)
-            outs = [r.h + t.dense_mlp(layer, r.x) for r in group]
+        sparse = t.config.sparse_layers[layer]
+        done = self._moe(layer, group, riders) if sparse else list(group)
+        outs = [
+            t.ffn_output(layer, r.h, r.x, r.acc if sparse else None, prompt=r.n != 1) for r in done
+        ]
         if not done:
             return [], None
         h = outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -208,9 +208,7 @@ class Engine:
         self._snapshot_at = 0.0  # the previous snapshot's time ("computing" since then)
         # Keys and values of the softmax attention layers; linear attention layers hold a
         # fixed-size recurrent state per request instead (``state_bytes``).
-        self.kv_bytes_per_token = (
-            2 * c.attention_layers * c.n_kv_heads * c.head_dim * model.transformer.dtype.itemsize
-        )
+        self.kv_bytes_per_token = c.kv_values_per_token * model.transformer.dtype.itemsize
         self.balancer = Balancer() if self.policy.balance else None
         self._thread: threading.Thread | None = None
         # Tests set this to a dict to receive every request's logits (exactness checks).

@@ -50,7 +50,8 @@ class Prefetcher:
         if nxt >= c.n_layers or not c.sparse_layers[nxt]:
             return []
         if self.kind == "gate":
-            ids, _ = self.model.transformer.route(nxt, r.x)
+            t = self.model.transformer
+            ids, _ = t.route(nxt, t.router_input(nxt, r.h, r.x))
             return sorted(set(ids.flatten().tolist()))
         if not r.needed:
             return []

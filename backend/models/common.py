@@ -35,10 +35,18 @@ class Family:
     # for families whose files store a weight otherwise than ``Transformer`` uses it.
     fix_tensor: Callable[[ModelConfig, str, torch.Tensor, bool], torch.Tensor] | None = None
     extra: dict = field(default_factory=dict)
+    # transformers' names (under model.layers.N.) of canonical "base[.suffix]" names where
+    # they are not the other families'.
+    hf_names: dict[str, str] = field(default_factory=dict)
+    # The dense tensors' shapes, for a family whose layers are not the shared decoder's.
+    shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]] | None = None
+    # The ``Transformer`` subclass that computes the family, where the shared one does not.
+    transformer: type | None = None
 
 
-# Tensors llama.cpp names without a ".weight" suffix.
+# Tensors llama.cpp names without a ".weight" suffix, and suffixes that replace it.
 GGUF_BARE = ("ssm_a",)
+GGUF_SUFFIXES = (".bias", ".scale")
 
 
 def gguf_name(fam: Family, canonical: str) -> str:
@@ -47,7 +55,7 @@ def gguf_name(fam: Family, canonical: str) -> str:
         _, layer, rest = canonical.split(".", 2)
         base, dot, suffix = rest.partition(".")
         canonical = f"blk.{layer}.{fam.gguf_renames.get(base, base)}{dot}{suffix}"
-    if canonical.endswith(".bias") or canonical.split(".")[-1] in GGUF_BARE:
+    if canonical.endswith(GGUF_SUFFIXES) or canonical.split(".")[-1] in GGUF_BARE:
         return canonical
     return canonical + ".weight"
 
@@ -120,6 +128,8 @@ def gguf_windows(g: GGUFFile, n_layers: int) -> dict:
 def gguf_config(g: GGUFFile, family: str, **overrides: object) -> ModelConfig:
     heads = int(g.get("attention.head_count"))
     hidden = int(g.get("embedding_length"))
+    kv_heads = g.get("attention.head_count_kv", heads)  # (one per layer in some files)
+    ff = g.get("feed_forward_length", 0) or 0
     tokens = g.metadata.get("tokenizer.ggml.tokens")
     vocab = g.get("vocab_size") or (
         len(tokens) if tokens else g.tensors["token_embd.weight"].shape[0]
@@ -130,9 +140,9 @@ def gguf_config(g: GGUFFile, family: str, **overrides: object) -> ModelConfig:
         hidden_size=hidden,
         n_layers=int(g.get("block_count")),
         n_heads=heads,
-        n_kv_heads=int(g.get("attention.head_count_kv", heads)),
+        n_kv_heads=int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads),
         head_dim=int(g.get("attention.key_length", hidden // heads)),
-        intermediate_size=int(g.get("feed_forward_length", 0) or 0),
+        intermediate_size=int(max(ff) if isinstance(ff, list) else ff),
         rms_eps=float(g.get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(g.get("rope.freq_base", 10000.0)),
         context_length=int(g.get("context_length", 4096)),
@@ -158,6 +168,11 @@ def with_sparse_layers(config: ModelConfig, has_router: Callable[[int], bool]) -
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical dense tensor name -> row-major shape the config implies."""
+    from backend.models import registry  # (registry imports this module)
+
+    own = registry.family(c.family).shapes if c.family in registry.FAMILIES else None
+    if own is not None:
+        return own(c)
     D = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"token_embd": (c.vocab_size, D), "output_norm": (D,)}
     if not c.tie_embeddings:

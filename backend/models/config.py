@@ -73,6 +73,17 @@ class ModelConfig:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     conv_kernel: int = 0
+    # Gemma 4: sliding layers with their own head width, KV heads and RoPE base (0: the
+    # others'), full layers whose values come from the keys' projection (``k_eq_v``), an
+    # attention score scale (0: 1/sqrt(Dh)), a scaled embedding and soft-capped logits
+    # (``logit_softcap`` c: c * tanh(logits / c); 0: none).
+    swa_head_dim: int = 0
+    swa_kv_heads: int = 0
+    swa_rope_theta: float = 0.0
+    k_eq_v: bool = False
+    attn_scale: float = 0.0
+    embed_scale: float = 1.0
+    logit_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim")
@@ -104,8 +115,14 @@ class ModelConfig:
             raise ValueError("window_layers must have one entry per layer")
         if self.router_softmax not in ("all", "topk"):
             raise ValueError(f"router_softmax must be 'all' or 'topk', got {self.router_softmax!r}")
-        if self.expert_act not in ("silu", "swiglu_oai"):
-            raise ValueError(f"expert_act must be 'silu' or 'swiglu_oai', got {self.expert_act!r}")
+        if self.expert_act not in ("silu", "swiglu_oai", "gelu"):
+            raise ValueError(
+                f"expert_act must be 'silu', 'swiglu_oai' or 'gelu', got {self.expert_act!r}"
+            )
+        if self.swa_kv_heads and self.n_heads % self.swa_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of swa_kv_heads ({self.swa_kv_heads})"
+            )
         if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and in 0..{self.head_dim}")
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.rope_dim // 2:
@@ -150,6 +167,21 @@ class ModelConfig:
             self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
         )
         return 4 * per_layer * sum(self.linear_layers)
+
+    def attn_dims(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head width) of softmax attention layer ``layer``."""
+        if self.window_layers[layer]:
+            return self.swa_kv_heads or self.n_kv_heads, self.swa_head_dim or self.head_dim
+        return self.n_kv_heads, self.head_dim
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Keys and values one position holds over every softmax attention layer."""
+        return sum(
+            2 * heads * width
+            for layer, (heads, width) in enumerate(map(self.attn_dims, range(self.n_layers)))
+            if not self.linear_layers[layer]
+        )
 
     @property
     def is_moe(self) -> bool:

@@ -26,6 +26,7 @@ _ARCH = {
     "qwen2_moe": "qwen2moe",
     "gpt_oss": "gpt-oss",
     "qwen3_5_moe": "qwen35moe",
+    "gemma4": "gemma4",
 }
 # Kept in F32 whatever the target type, as llama.cpp's converter does: tensors whose
 # names contain these, and the embedding and output head themselves (not attn_output).
@@ -96,6 +97,21 @@ def _add_linear_attention(w: gguf.GGUFWriter, c: ModelConfig) -> None:
     # every pair compute plain RoPE: (11, 11, 10) for 32 pairs, its converter's default.
     pairs = c.rope_dim // 2
     w.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
+
+
+def _add_gemma4(w: gguf.GGUFWriter, c: ModelConfig) -> None:
+    """llama.cpp's keys for Gemma 4's two kinds of layer (the full layers' in the common
+    keys), its soft cap, and the features it has but we do not take, off."""
+    swa = c.swa_head_dim or c.head_dim
+    w.add_key_length_swa(swa)
+    w.add_value_length_swa(swa)
+    w.add_rope_dimension_count(c.head_dim)  # proportional RoPE: all pairs, some still
+    w.add_rope_dimension_count_swa(swa)
+    w.add_rope_freq_base_swa(c.swa_rope_theta or c.rope_theta)
+    if c.logit_softcap:
+        w.add_final_logit_softcapping(c.logit_softcap)
+    w.add_shared_kv_layers(0)
+    w.add_embedding_length_per_layer_input(0)
 
 
 def write_gguf(
@@ -190,7 +206,10 @@ def _write(
     )
     w.add_feed_forward_length(ff)
     w.add_head_count(c.n_heads)
-    w.add_head_count_kv(c.n_kv_heads)
+    if c.swa_kv_heads:
+        w.add_head_count_kv([c.attn_dims(i)[0] for i in range(c.n_layers)])
+    else:
+        w.add_head_count_kv(c.n_kv_heads)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_eps)
@@ -199,10 +218,14 @@ def _write(
     if c.sliding_window:
         w.add_sliding_window(c.sliding_window)
         alternating = tuple(i % 2 == 0 for i in range(c.n_layers))
-        if not all(c.window_layers) and not (arch == "gpt-oss" and c.window_layers == alternating):
+        if arch == "gemma4" or (
+            not all(c.window_layers) and not (arch == "gpt-oss" and c.window_layers == alternating)
+        ):
             w.add_sliding_window_pattern(list(c.window_layers))
     if c.rope_dim != c.head_dim:
         w.add_rope_dimension_count(c.rope_dim)
+    if arch == "gemma4":
+        _add_gemma4(w, c)
     if c.conv_kernel:  # (llama.cpp reads these keys even where no layer is linear)
         _add_linear_attention(w, c)
     w.add_vocab_size(c.vocab_size)

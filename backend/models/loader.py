@@ -33,6 +33,9 @@ from backend.models.weights import ExpertRef, ResidentExperts
 
 Progress = Callable[[int, int], None]
 
+# Gemma 4's dense products of a layer (``gemma4.Gemma4Transformer`` runs them itself).
+GEMMA4_LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
 # Gated DeltaNet layers: our (llama.cpp's) names -> transformers' under ``linear_attn``,
 # and the parameters transformers keeps without a suffix.
 _HF_LINEAR = {
@@ -134,9 +137,7 @@ def _hf_layout(
     # Multimodal checkpoints keep the text model under model.language_model (the vision
     # tower and multi-token-prediction head beside it are not read).
     root = "model.language_model." if "model.language_model.norm.weight" in h.tensors else "model."
-    config = with_sparse_layers(
-        config, lambda i: f"{root}layers.{i}.{moe}.gate.weight" in h.tensors
-    )
+    layers = f"{root}layers."
     attn = {
         "attn_q": "self_attn.q_proj",
         "attn_k": "self_attn.k_proj",
@@ -163,13 +164,17 @@ def _hf_layout(
         if canonical in top:
             return top[canonical]
         _, layer, rest = canonical.split(".", 2)
+        if rest in fam.hf_names:
+            return f"{root}layers.{layer}.{fam.hf_names[rest]}"
         if rest in _HF_BARE:
             return f"{root}layers.{layer}.{_HF_BARE[rest]}"
         base, _, suffix = rest.partition(".")
         return f"{root}layers.{layer}.{attn[base]}.{suffix or 'weight'}"
 
+    config = with_sparse_layers(config, lambda i: name(f"blk.{i}.ffn_gate_inp") in h.tensors)
+
     def expert(layer: int, e: int) -> tuple[TensorRef, ...]:
-        p = f"{root}layers.{layer}.{moe}.experts."
+        p = f"{layers}{layer}.{moe}{'.' if moe else ''}experts."
         if p + "gate_up_proj" in h.tensors:
             return _fused_gate_up(h.tensors[p + "gate_up_proj"], h.tensors[p + "down_proj"], e)
         return tuple(h.tensors[f"{p}{e}.{n}.weight"] for n in fam.hf_expert_names)
@@ -284,7 +289,8 @@ def load_model(
     fused = (
         _fused_dense(info, files, dense) if device.type == "cpu" and dtype == torch.float32 else {}
     )
-    transformer = Transformer(info.config, dense, info.experts, device, dtype, fused)
+    cls = registry.family(info.config.family).transformer or Transformer
+    transformer = cls(info.config, dense, info.experts, device, dtype, fused)
     tokenizer = _tokenizer(info.path, info.source)
     return LoadedModel(
         info.path,
@@ -352,6 +358,16 @@ def _fused_dense(
                 if n in ("attn_qkv", "attn_gate") and p + "ssm_in" in out:
                     continue
                 rows(p + n)
+            continue
+        if c.family == "gemma4":  # its own attention and MLP: the ops take every row
+            for name in (p + n for n in GEMMA4_LINEAR):
+                if name not in dense:
+                    continue
+                q4 = FusedWeight.stacked([part(name)]) if refs[name].qtype in FUSABLE else None
+                if q4 is not None:  # its Q4 blocks, where stored so
+                    out[name] = q4
+                else:
+                    rows(name)
             continue
         names = [p + n for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
         if any(refs[n].qtype in FUSABLE for n in names):

@@ -14,6 +14,7 @@ _MODULES = {
     "qwen2_moe": "backend.models.qwen2_moe",
     "gpt_oss": "backend.models.gpt_oss",
     "qwen3_5_moe": "backend.models.qwen3_5_moe",
+    "gemma4": "backend.models.gemma4",
 }
 _HF = {
     "LlamaForCausalLM": "llama",
@@ -24,6 +25,8 @@ _HF = {
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 _GGUF = {
     "qwen3moe": "qwen3_moe",
@@ -31,6 +34,7 @@ _GGUF = {
     "qwen2moe": "qwen2_moe",
     "gpt-oss": "gpt_oss",
     "qwen35moe": "qwen3_5_moe",
+    "gemma4": "gemma4",
 }
 
 FAMILIES = tuple(_MODULES)

@@ -123,10 +123,37 @@ class SeqSlice:
     n: int
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (transformers' ``gelu_pytorch_tanh``, llama.cpp's GELU)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | float, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def angle_table(
+    tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]],
+    inv_freq: torch.Tensor,
+    scale: float,
+    end: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tables[dtype]``, made or grown (by doubling) to cover positions 0..``end``-1:
+    cos and sin [P, R/2] of each position times ``inv_freq``, scaled by ``scale``."""
+    table = tables.get(dtype)
+    if table is None or table[0].shape[0] < end:
+        size = max(end, 256, 2 * (0 if table is None else table[0].shape[0]))
+        pos = torch.arange(size, device=inv_freq.device).float()
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, R/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        table = cos.to(dtype), sin.to(dtype)
+        tables[dtype] = table  # one assignment: readers see old or new
+    return table
 
 
 class Transformer:
@@ -191,17 +218,7 @@ class Transformer:
         A decoding step then slices its angles out instead of computing them (seven small
         ops per attention call). The values are those computed per call before: the same
         float32 product of position and frequency, then cos and sin."""
-        table = self._rope_tables.get(dtype)
-        if table is None or table[0].shape[0] < end:
-            size = max(end, 256, 2 * (0 if table is None else table[0].shape[0]))
-            pos = torch.arange(size, device=self._inv_freq.device).float()
-            freqs = pos[:, None] * self._inv_freq[None, :]  # [P, Dh/2]
-            cos, sin = freqs.cos(), freqs.sin()
-            if self._rope_scale != 1.0:
-                cos, sin = cos * self._rope_scale, sin * self._rope_scale
-            table = cos.to(dtype), sin.to(dtype)
-            self._rope_tables[dtype] = table  # one assignment: readers see old or new
-        return table
+        return angle_table(self._rope_tables, self._inv_freq, self._rope_scale, end, dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, Dh] rotated by angles cos, sin [T, R/2] (R = ``rope_dim``: the first R
@@ -273,21 +290,35 @@ class Transformer:
         else:  # both in one pass: each op runs once instead of twice
             qk = self._rope(qk.view(T, c.n_heads + c.n_kv_heads, c.head_dim), cos, sin)
             q, k = qk[:, : c.n_heads], qk[:, c.n_heads :]
-        out = None
+        out = self._attend(layer, q, k, v, seqs, c.head_dim**-0.5, w.get(p + "attn_sinks"))
+        return h + self._attn_output(p, out.reshape(T, -1), gate, prompt)
+
+    def _attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seqs: Sequence[SeqSlice],
+        scale: float,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of rows q [T, H, Dh] (RoPE applied) over each sequence's cached keys
+        and values and the new ones k, v [T, G, Dh], which it writes: out [T, H, Dh]. Each
+        sequence's rows on their own, so a row's result does not depend on its batch."""
+        c, T = self.config, q.shape[0]
+        H, G, Dh = q.shape[1], k.shape[1], q.shape[2]
         window = c.window(layer)
-        sinks = w.get(p + "attn_sinks")
-        if decoding and sinks is None:
+        if self._decoding(q, seqs) and sinks is None:
             # One native call writes every row's key and value and attends
             # (``native.attention``), instead of the loop below and its torch ops per row.
             caches = [s.kv.reserve(layer, s.start, s.start + 1, k[i]) for i, s in enumerate(seqs)]
-            out = native.attention(
-                q, k, v, caches, [s.start for s in seqs], c.head_dim**-0.5, window
-            )
-        if out is not None:
-            return h + self._attn_output(p, out, gate, prompt)
-        out = torch.empty(T, c.n_heads, c.head_dim, dtype=h.dtype, device=h.device)
+            out = native.attention(q, k, v, caches, [s.start for s in seqs], scale, window)
+            if out is not None:
+                return out.view(T, H, Dh)
+        out = torch.empty(T, H, Dh, dtype=q.dtype, device=q.device)
         row = 0
-        rep = c.n_heads // c.n_kv_heads
+        rep = H // G
         for s in seqs:
             kk, vv = s.kv.write(
                 layer,
@@ -299,42 +330,40 @@ class Transformer:
             lo = max(0, s.start - window + 1) if window else 0
             if lo:
                 kk, vv = kk[:, lo:], vv[:, lo:]
-            if s.n == 1 and h.device.type == "cpu" and h.dtype == torch.float32:
+            if s.n == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
                 # Decoding: one query per head, no mask. Two batched matmuls and a softmax
                 # cost less than SDPA's math path on CPU.
-                qq = q[row].view(c.n_kv_heads, rep, c.head_dim)
-                att = torch.bmm(qq, kk.transpose(1, 2)).mul_(c.head_dim**-0.5)
+                qq = q[row].view(G, rep, Dh)
+                att = torch.bmm(qq, kk.transpose(1, 2)).mul_(scale)
                 att = att.softmax(-1) if sinks is None else _sink_softmax(att, sinks, 1)
-                out[row] = torch.bmm(att, vv).view(c.n_heads, c.head_dim)
+                out[row] = torch.bmm(att, vv).view(H, Dh)
                 row += 1
                 continue
             # Fold each kv group's query heads into its query axis: [G, rep*n, Dh]. One
             # batched SDPA over G groups is much faster on CPU than the enable_gqa path.
             qq = (
                 q[row : row + s.n]
-                .view(s.n, c.n_kv_heads, rep, c.head_dim)
+                .view(s.n, G, rep, Dh)
                 .permute(1, 2, 0, 3)
-                .reshape(c.n_kv_heads, rep * s.n, c.head_dim)
+                .reshape(G, rep * s.n, Dh)
             )
             mask = None
             if s.n > 1:
-                qpos = torch.arange(s.start, s.start + s.n, device=h.device)[:, None]
-                kpos = torch.arange(lo, s.start + s.n, device=h.device)[None, :]
+                qpos = torch.arange(s.start, s.start + s.n, device=q.device)[:, None]
+                kpos = torch.arange(lo, s.start + s.n, device=q.device)[None, :]
                 mask = kpos <= qpos  # [n, S]
                 if window:
                     mask &= kpos > qpos - window
                 mask = mask.repeat(rep, 1)  # [rep*n, S]
             if sinks is None:
-                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)  # [G, rep*n, Dh]
+                # (SDPA's own default where it is the scale: the same bits as ever)
+                own = None if scale == Dh**-0.5 else scale
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=own)
             else:
-                o = self._sink_attention(qq, kk, vv, mask, sinks, s.n)
-            out[row : row + s.n] = (
-                o.view(c.n_kv_heads, rep, s.n, c.head_dim)
-                .permute(2, 0, 1, 3)
-                .reshape(s.n, c.n_heads, c.head_dim)
-            )
+                o = self._sink_attention(qq, kk, vv, mask, sinks, s.n, scale)
+            out[row : row + s.n] = o.view(G, rep, s.n, Dh).permute(2, 0, 1, 3).reshape(s.n, H, Dh)
             row += s.n
-        return h + self._attn_output(p, out.reshape(T, -1), gate, prompt)
+        return out
 
     def _sink_attention(
         self,
@@ -344,6 +373,7 @@ class Transformer:
         mask: torch.Tensor | None,
         sinks: torch.Tensor,
         n: int,
+        scale: float,
     ) -> torch.Tensor:
         """Attention with sinks for ``n`` query rows per head, ``qq`` [G, rep*n, Dh] against
         ``kk``, ``vv`` [G, S, Dh] (``mask`` [rep*n, S] or None): SDPA has no sink, so the
@@ -359,7 +389,7 @@ class Transformer:
         for i in range(0, n, step):
             j = min(n, i + step)
             att = torch.bmm(q4[:, :, i:j].reshape(G, rep * (j - i), -1), kk.transpose(1, 2))
-            att.mul_(self.config.head_dim**-0.5)
+            att.mul_(scale)
             if m3 is not None:
                 att = att.masked_fill(~m3[:, i:j].reshape(rep * (j - i), -1), float("-inf"))
             part = torch.bmm(_sink_softmax(att, sinks, j - i), vv)
@@ -398,7 +428,9 @@ class Transformer:
         if not sparse:
             return h, x, None, None
         if ids is None:  # a router the kernel does not take
-            ids, weights = self.route(layer, x, any(s.n != 1 for s in seqs))
+            ids, weights = self.route(
+                layer, self.router_input(layer, h, x), any(s.n != 1 for s in seqs)
+            )
         return h, x, ids, weights
 
     def _route_mixed(
@@ -434,7 +466,10 @@ class Transformer:
             out_h[idx], out_x[idx] = hh, xx
             if sparse:
                 prompt = part is rows[1]
-                i, w = (top, w1) if top is not None else self.route(layer, xx, prompt)
+                if top is None:
+                    i, w = self.route(layer, self.router_input(layer, hh, xx), prompt)
+                else:
+                    i, w = top, w1
                 if ids is None:
                     ids = i.new_empty(h.shape[0], i.shape[1])
                     weights = w.new_empty(h.shape[0], w.shape[1])
@@ -537,7 +572,13 @@ class Transformer:
         return blk
 
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The input of the layer's FFN (its routed experts' in a sparse layer)."""
         return rms_norm(h, self.w[f"blk.{layer}.ffn_norm"], self.config.rms_eps)
+
+    def router_input(self, layer: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """What the layer's router reads, given the residual ``h`` after attention and the
+        experts' input ``x``: x (Gemma 4's router normalizes h its own way)."""
+        return x
 
     def route(
         self, layer: int, x: torch.Tensor, prompt: bool = False
@@ -577,7 +618,9 @@ class Transformer:
         bias = (w[p + f"ffn_{n}_exps.bias"][e] for n in ("gate", "up", "down"))
         g, u, d = bias if c.expert_bias else (None, None, None)
         g, u = F.linear(x, gate, g), F.linear(x, up, u)
-        if c.expert_act == "swiglu_oai":
+        if c.expert_act == "gelu":
+            act = rowwise(gelu_tanh, g) * u
+        elif c.expert_act == "swiglu_oai":
             g = g.clamp(max=c.swiglu_limit)
             u = u.clamp(min=-c.swiglu_limit, max=c.swiglu_limit)
             act = (u + 1) * (g * torch.sigmoid(g * c.swiglu_alpha))
@@ -638,9 +681,18 @@ class Transformer:
         """h + the FFN of x, ``routed`` = (x, ids, weights) from ``attention_route`` (of
         decoding rows, or of prompts: see ``linear``)."""
         x, ids, weights = routed
+        sparse = self.config.sparse_layers[layer]
+        y = self.moe(layer, x, ids, weights, get_expert) if sparse else None
+        return self.ffn_output(layer, h, x, y, prompt)
+
+    def ffn_output(
+        self, layer: int, h: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None, prompt: bool
+    ) -> torch.Tensor:
+        """The layer's output from the residual ``h``, the FFN's input ``x`` and, in a
+        sparse layer, its routed experts' weighted sum ``y``: h + the dense MLP of x, or
+        h + y + the shared expert of x (of decoding rows, or of a prompt's)."""
         if not self.config.sparse_layers[layer]:
             return h + self.dense_mlp(layer, x)
-        y = self.moe(layer, x, ids, weights, get_expert)
         shared = self.shared_expert(layer, x, prompt)
         return h + (y if shared is None else y + shared)
 

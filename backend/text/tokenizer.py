@@ -6,6 +6,7 @@ GGUF files carry no tokenizer.json, only llama.cpp's metadata keys. We rebuild a
 * ``gpt2``: byte-level BPE with the file's merges; the split regex comes from ``tokenizer.ggml.pre``.
 * ``llama``: SentencePiece BPE (Llama 2, Mistral, Mixtral): merges are ranked by the score of the
   token they produce, spaces become ``▁``, unknown characters fall back to ``<0xXX>`` byte tokens.
+* ``gemma4``: BPE with the file's merges over raw UTF-8, spaces as ``▁``, byte fallback.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from backend.errors import ModelLoadError
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 _SPACE = "\u2581"  # SentencePiece's visible space
+_GEMMA4_EOG = ("<turn|>", "<|tool_response>")
 
 # Split regexes for byte-level vocabularies whose merges were learned on other splits than GPT-2's.
 _LLAMA3_SPLIT = (
@@ -117,6 +119,19 @@ def _byte_level_backend(
     return backend
 
 
+def _gemma4_backend(tokens: list[str], merges: list[str]) -> BackendTokenizer:
+    """BPE over raw UTF-8 with byte fallback as llama.cpp runs a ``gemma4`` vocabulary:
+    spaces become ``▁`` (no dummy prefix), and merges run over each line and each run of
+    newlines, nothing else splitting the text."""
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = BackendTokenizer(BPE(vocab=_first_ids(tokens), merges=pairs, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), behavior="isolated")
+    undo = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(undo)
+    return backend
+
+
 def _score_merges(
     tokens: list[str], types: list[int], scores: list[float]
 ) -> list[tuple[str, str]]:
@@ -202,19 +217,22 @@ class Tokenizer:
         """Build from GGUF key/value metadata (plain Python values) of the file at ``path``."""
         kind = meta.get("tokenizer.ggml.model")
         tokens = meta.get("tokenizer.ggml.tokens")
-        if kind not in ("gpt2", "llama"):
+        if kind not in ("gpt2", "llama", "gemma4"):
             raise ModelLoadError(path, f"unsupported tokenizer model '{kind}'")
         if not isinstance(tokens, list) or not tokens:
             raise ModelLoadError(path, "tokenizer.ggml.tokens is missing")
         types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
         if not isinstance(types, list) or len(types) != len(tokens):
             raise ModelLoadError(path, "tokenizer.ggml.token_type does not match the tokens")
-        if kind == "gpt2":
+        if kind in ("gpt2", "gemma4"):
             merges = meta.get("tokenizer.ggml.merges")
             if not isinstance(merges, list):
                 raise ModelLoadError(path, "tokenizer.ggml.merges is missing")
             pre = str(meta.get("tokenizer.ggml.pre", "default"))
-            backend = _byte_level_backend(tokens, types, merges, pre)
+            if kind == "gemma4":
+                backend = _gemma4_backend(tokens, merges)
+            else:
+                backend = _byte_level_backend(tokens, types, merges, pre)
         else:
             scores = meta.get("tokenizer.ggml.scores")
             if not isinstance(scores, list) or len(scores) != len(tokens):
@@ -235,13 +253,20 @@ class Tokenizer:
             return value if isinstance(value, int) and 0 <= value < len(tokens) else None
 
         eos = [token_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+        # Gemma 4 files name only <eos>; llama.cpp also ends generation at the end of a turn
+        # and where the model waits for a tool's response.
+        if kind == "gemma4":
+            ids = {tok: i for i, tok in enumerate(tokens) if tok in _GEMMA4_EOG}
+            eos += [ids[tok] for tok in _GEMMA4_EOG if tok in ids]
         template = meta.get("tokenizer.chat_template")
         return cls(
             backend,
             bos_id=token_id("bos_token_id"),
             eos_ids=[i for i in eos if i is not None],
-            # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+            # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise,
+            # and to Gemma 4's whatever it says.
+            add_bos=kind == "gemma4"
+            or bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             chat_template=template if isinstance(template, str) else None,
             vocab_size=len(tokens),
         )

@@ -96,3 +96,20 @@ def assert_matches_references(
         assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
         ours = torch.stack(logits_log[f"r{i}"])
         assert (ours - logits).abs().max().item() <= 1e-4, f"r{i}"
+
+
+def check_policy_against_plain(
+    model: LoadedModel, refs: list, policy: str, cache: str, storage: str
+) -> Engine:
+    """``run_staggered`` under ``policy``, a cache of ``cache`` ("min": one token's
+    experts) on ``storage``, prompts read two tokens at a time: every request matches
+    ``refs`` (``plain_references``) and no pin is left. Returns the closed engine."""
+    size = str(model.config.top_k) if cache == "min" else cache
+    config = EngineConfig(policy=policy, cache=size, storage=storage, prefill_chunk=2)
+    eng = Engine(model, config)
+    try:
+        assert_matches_references(run_staggered(eng), eng.logits_log, refs)
+        assert sum(eng.cache.refs) == 0
+    finally:
+        eng.close()
+    return eng

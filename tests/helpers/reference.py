@@ -23,3 +23,35 @@ def greedy_logits(
             t.forward(torch.tensor(ids[-1:]), [SeqSlice(kv, len(ids) - 1, 1)], get_expert)[0]
         )
     return ids, torch.stack(out)
+
+
+def transformers_model(folder, weights_from=None, place=None):
+    """transformers' model of HF ``folder`` (fp32, eval); with ``weights_from`` (a GGUF),
+    each of its quantized tensors dequantized by the ``gguf`` package (the oracle) and
+    given to ``place(state_dict, "model.layers.N.", base name, tensor)``, which copies it
+    where transformers keeps it (and raises for a name it does not map)."""
+    import gguf
+    import numpy as np
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    if weights_from is None:
+        return model
+    sd = model.state_dict()
+    replaced = 0
+    for x in gguf.GGUFReader(weights_from).tensors:
+        if x.tensor_type == gguf.GGMLQuantizationType.F32:
+            continue
+        t = torch.from_numpy(np.array(gguf.quants.dequantize(x.data, x.tensor_type), np.float32))
+        _, layer, base, _ = x.name.split(".")
+        place(sd, f"model.layers.{layer}.", base, t)
+        replaced += 1
+    assert replaced > 20
+    return model
+
+
+def transformers_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of ``ids``."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()

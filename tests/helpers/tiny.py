@@ -88,6 +88,29 @@ FAMILY_CONFIGS = {
             "layer_types": ["linear_attention", "full_attention"] * 2,
         },
     ),
+    # Sliding layers 0 and 2 (16-wide heads, 2 KV heads, window 6) and full layers 1 and 3
+    # (32-wide heads, 1 KV head, values from the keys' projection, proportional RoPE on a
+    # quarter of the pairs); experts beside the dense MLP; tied embeddings as published; a
+    # soft cap low enough to bend these logits.
+    "gemma4": (
+        "Gemma4TextConfig",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "hidden_size_per_layer_input": 0,
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "final_logit_softcapping": 3.0,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
@@ -97,8 +120,8 @@ def make_tiny(family: str, folder: Path, **overrides: object) -> Path:
     import transformers
 
     cls, extra = FAMILY_CONFIGS[family]
-    fields = {**TINY, **extra, **overrides}
-    config = getattr(transformers, cls)(**fields, tie_word_embeddings=False)
+    fields = {"tie_word_embeddings": False, **TINY, **extra, **overrides}
+    config = getattr(transformers, cls)(**fields)
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -112,6 +135,11 @@ def make_tiny(family: str, folder: Path, **overrides: object) -> Path:
                 p.normal_(0, 1.0)
             if family == "gpt_oss" and name.endswith("gate_up_proj"):  # past the clamp (7)
                 p.normal_(0, 1.5)
+            if family == "gemma4" and name.endswith(("router.scale", "per_expert_scale")):
+                p.add_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # (ones as initialized: make them count)
+                b.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     return folder
 
@@ -151,3 +179,24 @@ def make_tiny_chat(family: str, folder: Path, tokenizer_gguf: Path) -> Path:
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+def as_multimodal(
+    folder: Path, out: Path, text: dict[str, torch.Tensor], beside: dict, config: dict
+) -> Path:
+    """The text model of ``folder`` laid out as a published multimodal checkpoint in
+    ``out``: ``text`` (its tensors, named under "model.") under "model.language_model.",
+    the towers' ``beside`` next to them, config.json ``config`` with the folder's own
+    config as its ``text_config``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hub = dict(beside)
+    for name, t in text.items():
+        hub[name.replace("model.", "model.language_model.", 1)] = t
+    out.mkdir()
+    save_file(hub, out / "model.safetensors")
+    own = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "text_config": own}))
+    return out

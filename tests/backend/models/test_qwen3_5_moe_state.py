@@ -23,9 +23,9 @@ from tests.helpers.engine_runs import (
     PROMPTS,
     STEPS,
     assert_matches_references,
+    check_policy_against_plain,
     drain,
     plain_references,
-    run_staggered,
 )
 from tests.helpers.tiny import make_tiny
 
@@ -95,16 +95,8 @@ def engine_model(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
 def test_every_policy_matches_plain_generation(
     engine_model: tuple[LoadedModel, list], policy: str, cache: str, storage: str
 ) -> None:
-    model, refs = engine_model
-    size = str(model.config.top_k) if cache == "min" else cache
     # Prompts read two tokens at a time: the state crosses slices and other requests' jobs.
-    config = EngineConfig(policy=policy, cache=size, storage=storage, prefill_chunk=2)
-    eng = Engine(model, config)
-    try:
-        assert_matches_references(run_staggered(eng), eng.logits_log, refs)
-        assert sum(eng.cache.refs) == 0
-    finally:
-        eng.close()
+    check_policy_against_plain(*engine_model, policy, cache, storage)
 
 
 @pytest.mark.parametrize("policy", ["bevy", "sync", "prefetch-gate"])

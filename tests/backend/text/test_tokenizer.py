@@ -303,3 +303,25 @@ def test_qwen35_split_keeps_combining_marks_in_words(
     tok = Tokenizer.from_gguf_metadata({**smollm_meta, "tokenizer.ggml.pre": pre}, smollm2_gguf)
     split = tok.backend.pre_tokenizer.pre_tokenize_str("cafe\u0301! 7")
     assert split[0][1] == first
+
+
+def test_gemma4_vocab_tokenizes_as_llama_cpp() -> None:
+    """llama.cpp's ``gemma4`` tokenizer model (BPE over raw UTF-8, spaces as ``▁``, merges
+    within each line and each run of newlines, byte fallback) on its own test cases for
+    Gemma 4's vocabulary; the ends of a turn and of a tool call stop generation."""
+    from backend.formats.gguf import read_gguf
+    from tests.helpers.llama_vocab import cases, llama_cpp_vocab
+
+    vocab = llama_cpp_vocab("gemma-4")
+    tok = Tokenizer.from_gguf_metadata(read_gguf(vocab).metadata, vocab)
+    checked = cases(vocab)
+    assert len(checked) > 40
+    for text, ids in checked:
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids) == text, text
+    assert tok.add_bos and tok.encode("Hi", add_special=True)[0] == tok.bos_id == 2
+    ends = {tok.token_to_id(t) for t in ("<eos>", "<turn|>", "<|tool_response>")}
+    assert tok.eos_ids == ends
+    turn = tok.encode("<|turn>user\nhi<turn|>")  # control tokens whole, as the template writes
+    assert turn[0] == tok.token_to_id("<|turn>") and turn[-1] == tok.token_to_id("<turn|>")
+    assert turn[2] == tok.token_to_id("\n") and len(turn) == 5
