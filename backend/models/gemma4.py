@@ -83,14 +83,19 @@ def from_hf(cfg: dict) -> ModelConfig:
             "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)
         ]
     types[-1] = "full_attention"  # (transformers forces the last layer full)
+    # The full layers' overrides, as transformers resolves them: a saved per_layer_config,
+    # else global_head_dim (512) and, with K=V, num_global_key_value_heads.
     per = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
-    full = next(i for i, t in enumerate(types) if t == "full_attention")
-    head_dim = cfg.get("global_head_dim") or per.get(full, {}).get("head_dim") or 512
+    full = per.get(next(i for i, t in enumerate(types) if t == "full_attention"), {})
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    head_dim = full.get("head_dim") or cfg.get("global_head_dim") or 512
     kv_heads = (
-        cfg.get("num_global_key_value_heads")
-        or per.get(full, {}).get("num_key_value_heads")
+        full.get("num_key_value_heads")
+        or (cfg.get("num_global_key_value_heads") if k_eq_v else None)
         or cfg["num_key_value_heads"]
     )
+    if cfg.get("attention_bias"):
+        raise ValueError("Gemma 4 with attention biases is not supported")
     params = cfg.get("rope_parameters") or {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {
@@ -105,6 +110,8 @@ def from_hf(cfg: dict) -> ModelConfig:
     kind = whole.get("rope_type", "default")
     if kind not in ("default", "proportional"):
         raise ValueError(f"unsupported RoPE for Gemma 4's full layers: {whole}")
+    if float(whole.get("factor", 1.0)) != 1.0:
+        raise ValueError(f"unsupported scaled RoPE for Gemma 4's full layers: {whole}")
     partial = float(whole.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"unsupported activation {cfg['hidden_activation']!r} for Gemma 4")
@@ -124,7 +131,7 @@ def from_hf(cfg: dict) -> ModelConfig:
         swa_head_dim=int(cfg["head_dim"]),
         swa_kv_heads=int(cfg["num_key_value_heads"]),
         swa_rope_theta=float(slide.get("rope_theta", 10_000.0)),
-        k_eq_v=bool(cfg.get("attention_k_eq_v", False)),
+        k_eq_v=k_eq_v,
         logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
         **_GEMMA4,
         **_embed(cfg["hidden_size"]),
@@ -137,7 +144,8 @@ _GEMMA4 = dict(qk_norm="head", norm_topk_prob=True, expert_act="gelu", attn_scal
 
 
 def _embed(hidden: int) -> dict:
-    # float32, as transformers keeps it and llama.cpp computes it
+    # sqrt(D) in float32, as llama.cpp computes it (transformers rounds it to the weights'
+    # dtype: ``Gemma4Transformer.embed`` does too)
     return {"embed_scale": float(torch.tensor(hidden**0.5, dtype=torch.float32))}
 
 
@@ -166,6 +174,10 @@ def from_gguf(g: GGUFFile) -> ModelConfig:
     if int(g.get("rope.dimension_count_swa", swa_dim) or swa_dim) != swa_dim:
         raise ValueError("partial RoPE in Gemma 4's sliding layers is not supported")
     first_full = slides.index(False)
+    # llama.cpp requires the proportional RoPE divisors of the full layers; a header read
+    # for its config alone (no tensors) has none to check.
+    if g.tensors and "rope_freqs.weight" not in g.tensors:
+        raise ValueError("no rope_freqs tensor (the full layers' proportional RoPE)")
     ff = g.get("feed_forward_length")
     return gguf_config(
         g,
@@ -226,7 +238,8 @@ class Gemma4Transformer(Transformer):
         self._swa_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().embed(ids) * self.config.embed_scale
+        x = super().embed(ids)
+        return x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         out = super().logits(h)
@@ -293,7 +306,7 @@ class Gemma4Transformer(Transformer):
         self, layer: int, h: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None, prompt: bool
     ) -> torch.Tensor:
         c, w, p = self.config, self.w, f"blk.{layer}."
-        if y is None:
+        if not c.sparse_layers[layer]:
             out = self.dense_mlp(layer, x, prompt)
         else:
             mlp = self.dense_mlp(layer, rms_norm(h, w[p + "ffn_norm"], c.rms_eps), prompt)

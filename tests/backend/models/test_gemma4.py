@@ -21,6 +21,7 @@ from backend.kernels.quants import QType
 from backend.models import rope
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import LoadedModel, load_model
+from backend.models.transformer import KVCache, SeqSlice
 from tests.helpers.engine_runs import ALL_POLICIES, check_policy_against_plain, plain_references
 from tests.helpers.reference import greedy_logits, transformers_logits, transformers_model
 from tests.helpers.tiny import as_multimodal, make_tiny
@@ -69,8 +70,16 @@ def test_config_from_the_hf_folder(folder: Path) -> None:
     assert c.rope_freq_factors == (1.0,) * 4 + (1e30,) * 12  # a quarter of 16 pairs turn
     assert (c.rope_theta, c.swa_rope_theta, c.embed_scale) == (1e6, 1e4, 8.0)
     assert c.expert_act == "gelu" and c.tie_embeddings and all(c.sparse_layers)
-    # Keys and values per position: 2 x (2 x 16 + 1 x 32 + 2 x 16 + 1 x 32).
+    # Keys and values per position: 2 x (2 x 16 + 1 x 32 + 2 x 16 + 1 x 32), as the
+    # caches of a forward hold them.
     assert c.kv_values_per_token == 256
+    kv = KVCache(4)
+    model = load_model(folder)
+    model.transformer.forward(
+        torch.tensor(PROMPT), [SeqSlice(kv, 0, 30)], model.resident_experts().get
+    )
+    held = [2 * k.shape[0] * k.shape[2] for k in kv.k]
+    assert held == [64, 64, 64, 64] and sum(held) == c.kv_values_per_token
 
 
 def test_matches_transformers_from_the_hf_folder(folder: Path) -> None:
@@ -191,8 +200,7 @@ def engine_model(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
 def test_every_policy_matches_plain_generation(
     engine_model: tuple[LoadedModel, list], policy: str, cache: str, storage: str
 ) -> None:
-    eng = check_policy_against_plain(*engine_model, policy, cache, storage)
-    assert eng.kv_bytes_per_token == 4 * engine_model[0].config.kv_values_per_token
+    check_policy_against_plain(*engine_model, policy, cache, storage)
 
 
 def test_the_published_26b_a4b_metadata() -> None:
@@ -206,6 +214,29 @@ def test_the_published_26b_a4b_metadata() -> None:
     assert c.window_layers == ((True,) * 5 + (False,)) * 5 and c.sliding_window == 1024
     assert c.attn_dims(0) == (8, 256) and c.attn_dims(5) == (2, 512)
     assert (c.rope_theta, c.swa_rope_theta, c.logit_softcap) == (1e6, 1e4, 30.0)
-    assert (c.intermediate_size, c.expert_intermediate_size, c.tie_embeddings) == (2112, 704, True)
+    assert (c.intermediate_size, c.expert_intermediate_size) == (2112, 704)
     # 25 sliding layers x 2 x 8 x 256 + 5 full x 2 x 2 x 512 values per position
     assert c.kv_values_per_token == 112_640
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("embedding_length_per_layer_input", "per-layer embeddings"),
+        ("attention.shared_kv_layers", "reuse another layer's keys and values"),
+        (None, "no rope_freqs tensor"),
+    ],
+)
+def test_gguf_refusals(folder: Path, tmp_path: Path, key: str | None, message: str) -> None:
+    """What a GGUF has that is not taken, and a file without the full layers' RoPE
+    divisors (llama.cpp requires them), are refused by name."""
+    from backend.models.gemma4 import from_gguf
+
+    g = read_gguf(write_gguf(load_model(folder), tmp_path / "g4.gguf"))
+    from_gguf(g)  # as written, it loads
+    if key is None:
+        del g.tensors["rope_freqs.weight"]
+    else:
+        g.metadata[f"gemma4.{key}"] = 2
+    with pytest.raises(ValueError, match=message):
+        from_gguf(g)
