@@ -9,7 +9,7 @@
 #include <stdint.h>
 
 /* q4_matmul.c */
-int bevy_q4_linear(const uint8_t *w, int q4_1, const float *x, float *y, int M, int N, int K,
+int bevy_q4_linear(const uint8_t *w, int type, const float *x, float *y, int M, int N, int K,
                    int threads);
 int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int types,
                        const float *x, float *out, int M, int inner, int hidden, int threads);

@@ -1,5 +1,5 @@
-"""Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q8_0 weights and for decoding
-attention, in C: ``q4_matmul.c`` (the products, one expert, a MoE layer's experts),
+"""Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 weights and
+for decoding attention, in C: ``q4_matmul.c`` (the products, one expert, a MoE layer's experts),
 ``attention.c`` (decoding attention and the attention block), ``decode.c`` (a decoding
 group's walk through the layers over those two; ``decode.py``) and the headers they include
 (``simd.h``: vector helpers; ``kernels.h``: the exported functions, whose signatures are the
@@ -72,8 +72,17 @@ SOURCES = ("q4_matmul.c", "attention.c", "decode.c")
 HEADERS = ("simd.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20}
-# ``linear`` also takes Q8_0 (most GGUF files' LM head): f16 d and 32 int8.
+# The attention block and ``linear`` also take Q8_0 (most GGUF files' LM head): f16 d and
+# 32 int8.
 _LINEAR_BLOCK_BYTES = {**_BLOCK_BYTES, QType.Q8_0: 34}
+# The block types the expert kernels (and ``linear``) read: (weights per block, bytes per
+# block, the C side's type code). A row's width must be a multiple of its block's.
+EXPERT_TYPES = {
+    QType.Q4_0: (32, 18, 0),
+    QType.Q4_1: (32, 20, 1),
+    QType.Q4_K: (256, 144, 2),
+    QType.Q6_K: (256, 210, 3),
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -233,14 +242,15 @@ def _rows_ok(x: torch.Tensor, k: int) -> bool:
 
 
 def _weight_ok(raw: torch.Tensor, bb: int | None, n: int, k: int) -> bool:
-    """``raw`` holds a weight [n, k] of ``bb``-byte blocks of 32, where the kernels read it."""
+    """``raw`` holds a weight [n, k] of ``bb``-byte blocks of 32, where the kernels read it
+    (``bb`` 0: any block size, checked by the caller)."""
     return (
         bb is not None
         and k % 32 == 0
         and raw.dtype == torch.uint8
         and raw.device.type == "cpu"
         and raw.is_contiguous()
-        and raw.numel() == n * (k // 32) * bb
+        and (bb == 0 or raw.numel() == n * (k // 32) * bb)
     )
 
 
@@ -250,7 +260,12 @@ def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Ten
     of x is reduced on its own: a row's result does not depend on its batch-mates."""
     lib = library()
     n, k = shape
-    if lib is None or not _weight_ok(raw, _LINEAR_BLOCK_BYTES.get(qtype), n, k):
+    if qtype in EXPERT_TYPES:
+        width, bb, code = EXPERT_TYPES[qtype]
+        ok = k % width == 0 and _weight_ok(raw, 0, n, k) and raw.numel() == n * k // width * bb
+    else:
+        code, ok = None, _weight_ok(raw, _LINEAR_BLOCK_BYTES.get(qtype), n, k)
+    if lib is None or not ok:
         return None
     x = x.contiguous()
     if not _rows_ok(x, k):
@@ -263,7 +278,7 @@ def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Ten
     elif x.shape[0]:
         rc = lib.bevy_q4_linear(
             raw.data_ptr(),
-            qtype == QType.Q4_1,
+            code,
             x.data_ptr(),
             y.data_ptr(),
             x.shape[0],
@@ -315,21 +330,20 @@ def mlp_types(parts: tuple) -> int | None:
     """The kernels' ``types`` bits for an expert whose parts are ((qtype, (rows, cols),
     nbytes) of gate, up, down), or None if they do not take it (block types, shapes, sizes)."""
     (gq, gs, gn), (uq, us, un), (dq, ds, dn) = parts
-    bb = [_BLOCK_BYTES.get(q) for q in (gq, uq, dq)]
-    if None in bb or len(gs) != 2:
+    kinds = [EXPERT_TYPES.get(q) for q in (gq, uq, dq)]
+    if None in kinds or len(gs) != 2:
         return None
     inner, hidden = gs
     if tuple(us) != (inner, hidden) or tuple(ds) != (hidden, inner):
         return None
-    if inner % 32 or hidden % 32:
-        return None
-    if (gn, un, dn) != (
-        inner * hidden // 32 * bb[0],
-        inner * hidden // 32 * bb[1],
-        inner * hidden // 32 * bb[2],
+    codes = 0
+    for i, ((width, bb, code), cols, nbytes) in enumerate(
+        zip(kinds, (hidden, hidden, inner), (gn, un, dn), strict=True)
     ):
-        return None
-    return (gq == QType.Q4_1) | (uq == QType.Q4_1) << 1 | (dq == QType.Q4_1) << 2
+        if inner % 32 or hidden % 32 or cols % width or nbytes != inner * hidden // width * bb:
+            return None
+        codes |= code << (2 * i)
+    return codes
 
 
 def moe(

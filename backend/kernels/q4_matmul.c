@@ -1,4 +1,5 @@
-/* Products with Q4_0 / Q4_1 weights, straight from their blocks, for a few rows (decoding).
+/* Products with Q4_0 / Q4_1 / Q4_K / Q6_K weights, straight from their blocks, for a few
+ * rows (decoding).
  * Compiled with attention.c into one library by backend/kernels/native.py (see there for
  * why; docs/performance.md for what was measured).
  *
@@ -135,10 +136,177 @@ _Static_assert(ROWS == 8, "q4_cols has a case for each row count 1..ROWS");
     default: break; /* no rows (callers pass 1..ROWS) */                                     \
     }
 
-/* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. */
-static void q4_cols(const uint8_t *w, int q4_1, const float *x, const float *xsum, int m, int k,
+/* Sub-block j's 6-bit scale and min of a Q4_K super-block's 12 packed bytes s (ggml's
+   get_scale_min_k4). */
+static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* The 32 4-bit weights of one Q4_K sub-block (bytes v, low or high nibbles already taken)
+   times each x row, scaled by dv, added to ACC; cv times the rows' sub-block sums to TAIL. */
+#ifdef __AVX512F__
+#define KSUB(V, XOFF)                                                                        \
+    {                                                                                        \
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(V)));     \
+        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(V, 1))); \
+        __m512 dvv = _mm512_set1_ps(dv);                                                     \
+        for (int r = 0; r < m; r++) {                                                        \
+            const float *xb = x + (size_t)r * k + (XOFF);                                    \
+            __m512 s = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));                               \
+            s = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), s);                            \
+            acc[r] = _mm512_fmadd_ps(dvv, s, acc[r]);                                        \
+            tail[r] += cv * xsum[(size_t)r * nb + (XOFF) / 32];                              \
+        }                                                                                    \
+    }
+#else
+#define KSUB(V, XOFF)                                                                        \
+    {                                                                                        \
+        __m128i a = _mm256_castsi256_si128(V), b = _mm256_extracti128_si256(V, 1);           \
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(a));                             \
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)));          \
+        __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));                             \
+        __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));          \
+        __m256 dvv = _mm256_set1_ps(dv);                                                     \
+        for (int r = 0; r < m; r++) {                                                        \
+            const float *xb = x + (size_t)r * k + (XOFF);                                    \
+            __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));                               \
+            s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);                             \
+            s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);                            \
+            s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);                            \
+            acc[r] = _mm256_fmadd_ps(dvv, s, acc[r]);                                        \
+            tail[r] += cv * xsum[(size_t)r * nb + (XOFF) / 32];                              \
+        }                                                                                    \
+    }
+#endif
+
+/* Q4_K (k a multiple of 256): super-blocks of 256 weights, 144 bytes: f16 d, f16 dmin, 12
+   bytes of 6-bit scales and mins of its 8 sub-blocks of 32, then 128 bytes whose 32-byte
+   run j holds sub-block 2j in its low nibbles and 2j + 1 in its high ones. A weight is
+   d * sc * q - dmin * mn: each sub-block a Q4_1-like block of scale d * sc and offset
+   -dmin * mn, summed as Q4_1's are (each row on its own, in one order). */
+static void q4k_cols(const uint8_t *w, const float *x, const float *xsum, int m, int k,
+                     float *y, int ldy, int n0, int n1) {
+    const int ns = k / 256, nb = k / 32;
+    const size_t bs = 144;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int n = n0; n < n1; n++) {
+        acc_t acc[ROWS];
+        float tail[ROWS];
+        for (int r = 0; r < m; r++) {
+            acc[r] = acc_zero();
+            tail[r] = 0.f;
+        }
+        const uint8_t *row = w + (size_t)n * ns * bs;
+        for (int sb = 0; sb < ns; sb++) {
+            const uint8_t *blk = row + (size_t)sb * bs;
+            _mm_prefetch((const char *)(blk + bs), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + bs + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + bs + 128), _MM_HINT_T0);
+            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            for (int j = 0; j < 4; j++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+                __m256i lo = _mm256_and_si256(q, low);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                int sc, mn;
+                q4k_scale_min(blk + 4, 2 * j, &sc, &mn);
+                float dv = d * (float)sc, cv = dmin * (float)mn;
+                KSUB(lo, sb * 256 + 64 * j)
+                q4k_scale_min(blk + 4, 2 * j + 1, &sc, &mn);
+                dv = d * (float)sc;
+                cv = dmin * (float)mn;
+                KSUB(hi, sb * 256 + 64 * j + 32)
+            }
+        }
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(acc[r]) - tail[r];
+    }
+}
+
+/* 16 signed 6-bit weights (int8, bytes Q) times each x row at XOFF, scaled by dv, to ACC. */
+#ifdef __AVX512F__
+#define K6SUB(Q, XOFF)                                                                       \
+    {                                                                                        \
+        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Q));                             \
+        __m512 dvv = _mm512_set1_ps(dv);                                                     \
+        for (int r = 0; r < m; r++) {                                                        \
+            __m512 s = _mm512_mul_ps(w0, _mm512_loadu_ps(x + (size_t)r * k + (XOFF)));       \
+            acc[r] = _mm512_fmadd_ps(dvv, s, acc[r]);                                        \
+        }                                                                                    \
+    }
+#else
+#define K6SUB(Q, XOFF)                                                                       \
+    {                                                                                        \
+        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(Q));                             \
+        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(Q, 8)));          \
+        __m256 dvv = _mm256_set1_ps(dv);                                                     \
+        for (int r = 0; r < m; r++) {                                                        \
+            const float *xb = x + (size_t)r * k + (XOFF);                                    \
+            __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));                               \
+            s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);                             \
+            acc[r] = _mm256_fmadd_ps(dvv, s, acc[r]);                                        \
+        }                                                                                    \
+    }
+#endif
+
+/* Q6_K (k a multiple of 256): super-blocks of 256 weights, 210 bytes: 128 bytes of low
+   nibbles (ql), 64 of high bit pairs (qh), 16 int8 scales (one per 16 weights), f16 d. In
+   each half of 128 (ql + 64 h, qh + 32 h, scales + 8 h), group g of 32 weights takes the
+   low (g < 2) or high nibbles of ql's 32 bytes at 32 (g & 1), and bits 2g, 2g + 1 of qh's
+   32 bytes as bits 4 and 5; a weight is d * scale * (q - 32), scale sc[2g] for its first
+   16 and sc[2g + 1] for the rest (ggml's dequantize_row_q6_K). */
+static void q6k_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
+                     int n1) {
+    const int ns = k / 256;
+    const size_t bs = 210;
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int n = n0; n < n1; n++) {
+        acc_t acc[ROWS];
+        for (int r = 0; r < m; r++) acc[r] = acc_zero();
+        const uint8_t *row = w + (size_t)n * ns * bs;
+        for (int sb = 0; sb < ns; sb++) {
+            const uint8_t *blk = row + (size_t)sb * bs;
+            _mm_prefetch((const char *)(blk + bs), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + bs + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + bs + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + bs + 192), _MM_HINT_T0);
+            const float d = f16_at(blk + 208);
+            const int8_t *scales = (const int8_t *)(blk + 192);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
+                for (int g = 0; g < 4; g++) {
+                    __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 32 * (g & 1)));
+                    if (g >= 2) l = _mm256_srli_epi16(l, 4);
+                    l = _mm256_and_si256(l, low);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * g), two);
+                    __m256i q = _mm256_sub_epi8(_mm256_or_si256(l, _mm256_slli_epi16(hi, 4)), off);
+                    const int at = sb * 256 + 128 * h + 32 * g;
+                    float dv = d * (float)scales[8 * h + 2 * g];
+                    K6SUB(_mm256_castsi256_si128(q), at)
+                    dv = d * (float)scales[8 * h + 2 * g + 1];
+                    K6SUB(_mm256_extracti128_si256(q, 1), at + 16)
+                }
+            }
+        }
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(acc[r]);
+    }
+}
+
+/* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
+   weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K. */
+static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
-    if (q4_1)
+    if (type == 3)
+        q6k_cols(w, x, m, k, y, ldy, n0, n1);
+    else if (type == 2)
+        q4k_cols(w, x, xsum, m, k, y, ldy, n0, n1);
+    else if (type == 1)
         BY_ROWS(1)
     else
         BY_ROWS(0)
@@ -162,9 +330,9 @@ static void block_sums(const float *x, float *xsum, int m, int k) {
 /* Column chunks shared out among the threads: enough for balance, big enough to pair. */
 static int n_chunks(int n) { return n < 128 ? 1 : (n < 4096 ? n / 32 : 128); }
 
-/* y [M, N] = x [M, K] @ W.T for W [N, K] in Q4 blocks, on `threads` threads. 0 on success,
-   -1 if out of memory. */
-int bevy_q4_linear(const uint8_t *w, int q4_1, const float *x, float *y, int M, int N, int K,
+/* y [M, N] = x [M, K] @ W.T for W [N, K] in Q4 blocks (type as for q4_cols), on `threads`
+   threads. 0 on success, -1 if out of memory. */
+int bevy_q4_linear(const uint8_t *w, int type, const float *x, float *y, int M, int N, int K,
                    int threads) {
     const int nb = K / 32, chunks = n_chunks(N);
     float *xsum = malloc(sizeof(float) * (size_t)M * nb + 1);
@@ -174,7 +342,7 @@ int bevy_q4_linear(const uint8_t *w, int q4_1, const float *x, float *y, int M, 
         int m = M - r0 < ROWS ? M - r0 : ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int t = 0; t < chunks; t++)
-            q4_cols(w, q4_1, x + (size_t)r0 * K, xsum + (size_t)r0 * nb, m, K,
+            q4_cols(w, type, x + (size_t)r0 * K, xsum + (size_t)r0 * nb, m, K,
                     y + (size_t)r0 * N, N, (int)((long)N * t / chunks),
                     (int)((long)N * (t + 1) / chunks));
     }
@@ -183,11 +351,12 @@ int bevy_q4_linear(const uint8_t *w, int q4_1, const float *x, float *y, int M, 
 }
 
 /* out [M, hidden] = down(silu(gate(x)) * up(x)) for one expert; x [M, hidden]; gate and up
-   [inner, hidden], down [hidden, inner]. types: bit 0/1/2 set if gate/up/down is Q4_1.
+   [inner, hidden], down [hidden, inner]. types: bits 0-1, 2-3, 4-5: gate's, up's and
+   down's block type (0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K).
    On `threads` threads; 0 on success, -1 if out of memory. */
 int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int types,
                        const float *x, float *out, int M, int inner, int hidden, int threads) {
-    const int gq = types & 1, uq = (types >> 1) & 1, dq = (types >> 2) & 1;
+    const int gq = types & 3, uq = (types >> 2) & 3, dq = (types >> 4) & 3;
     const int nbh = hidden / 32, nbi = inner / 32;
     const int ci = n_chunks(inner), ch = n_chunks(hidden);
     float *h = malloc(sizeof(float) * ((size_t)M * inner * 2 + (size_t)M * (nbh + nbi)) + 1);

@@ -10,13 +10,17 @@ HIDDEN, INNER = 64, 96
 
 
 def random_blocks(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random blocks of a weight [rows, cols] with f16 scales of a sane size (Q6_K's
+    super-block scale is its last 2 bytes; the others' lead their block)."""
     g = torch.Generator().manual_seed(seed)
-    _, bb = block_shape(qtype)
-    n = rows * cols // 32
+    width, bb = block_shape(qtype)
+    n = rows * cols // width
     raw = torch.randint(0, 256, (n, bb), dtype=torch.uint8, generator=g)
-    n_scales = 2 if qtype == QType.Q4_1 else 1
-    scales = (torch.randn((n, n_scales), generator=g) * 0.05).half()
-    raw[:, : 2 * n_scales] = scales.view(torch.uint8).view(n, 2 * n_scales)
+    n_scales = 2 if qtype in (QType.Q4_1, QType.Q4_K) else 1
+    size = 0.002 if width == 256 else 0.05  # (K-quants multiply by sub-block scales too)
+    scales = (torch.randn((n, n_scales), generator=g) * size).half()
+    at = bb - 2 if qtype == QType.Q6_K else 0
+    raw[:, at : at + 2 * n_scales] = scales.view(torch.uint8).view(n, 2 * n_scales)
     return raw.reshape(-1)
 
 
@@ -26,3 +30,35 @@ def random_expert(qtypes: tuple[QType, QType, QType], seed: int = 0) -> tuple:
         (random_blocks(q, *s, seed + i), q, s)
         for i, (q, s) in enumerate(zip(qtypes, shapes, strict=True))
     )
+
+
+def with_k_quant_experts(src, out, gate_up: QType = QType.Q4_K, down: QType = QType.Q6_K):
+    """The GGUF ``src`` rewritten as ``out`` with its fused experts replaced by random
+    blocks of ``gate_up`` (gate and up) and ``down``, as a Q4_K_M file stores them; the
+    rest as it was. Returns ``out``."""
+    import gguf
+
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(out, str(r.fields["general.architecture"].contents()))
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub)
+    for i, t in enumerate(r.tensors):
+        part = next(
+            (p for p in ("gate", "up", "down") if t.name.endswith(f"ffn_{p}_exps.weight")), None
+        )
+        if part is None:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        qtype = down if part == "down" else gate_up
+        experts, rows, cols = (int(n) for n in reversed(t.shape))
+        width, bb = block_shape(qtype)
+        raw = random_blocks(qtype, experts * rows, cols, seed=i).numpy()
+        w.add_tensor(t.name, raw.reshape(experts, rows, cols // width * bb), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -411,7 +411,7 @@ def test_every_expert_backend_that_runs_here_matches_plain_generation(
 
 def test_an_expert_backend_that_cannot_run_is_an_error(models) -> None:
     q8 = models["mixtral-q8-gguf"]
-    with pytest.raises(BevyError, match="take Q4_0/Q4_1 experts, not Q8_0|did not build"):
+    with pytest.raises(BevyError, match="take Q4_0/Q4_1/Q4_K/Q6_K experts, not Q8_0|did not build"):
         Engine(q8, EngineConfig(expert_backend="native"))
     with pytest.raises(BevyError, match="decoded weights"):
         Engine(q8, EngineConfig(expert_backend="grouped", slot_format="decoded"))

@@ -73,6 +73,44 @@ def test_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
         assert torch.equal(native.expert_mlp(parts, x[i : i + 1])[0], got[i])
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_k_quant_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: QType, rows: int):
+    """Q4_K and Q6_K super-blocks (256 weights: 8 sub-blocks with 6-bit scales and mins,
+    16 with int8 scales) straight from their bytes, each row on its own."""
+    monkeypatch.setattr(native, "_lib", lib)
+    n, k = 291, 512
+    raw = random_blocks(qtype, n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = native.linear(raw, qtype, (n, k), x)
+    ref = F.linear(x, dequantize(raw, qtype, (n, k)))
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for lo, hi in ((0, 1), (rows - 1, rows), (1, rows)):
+        assert torch.equal(native.linear(raw, qtype, (n, k), x[lo:hi]), got[lo:hi])
+    assert native.linear(raw[: raw.numel() // 2], qtype, (n, k), x) is None
+    assert native.linear(raw, qtype, (n * 4, k // 4), x[:, : k // 4]) is None  # rows of 128
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_k_quant_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
+    """Gate and up in Q4_K, down in Q6_K, as a Q4_K_M file stores many experts."""
+    monkeypatch.setattr(native, "_lib", lib)
+    inner, hidden = 512, 256
+    shapes = ((inner, hidden), (inner, hidden), (hidden, inner))
+    qtypes = (QType.Q4_K, QType.Q4_K, QType.Q6_K)
+    parts = tuple(
+        (random_blocks(q, *shape, seed=rows + i), q, shape)
+        for i, (q, shape) in enumerate(zip(qtypes, shapes, strict=True))
+    )
+    x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows))
+    got = native.expert_mlp(parts, x)
+    g, u, d = (dequantize(raw, q, s) for raw, q, s in parts)
+    ref = F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for i in range(rows):
+        assert torch.equal(native.expert_mlp(parts, x[i : i + 1])[0], got[i])
+
+
 def test_wide_expert_on_several_threads_and_on_one(lib, monkeypatch):
     """Shapes that split into many column chunks (the demo's are 1536 x 576): the same
     result, bit for bit, on one thread as on two, close to dequantize-then-matmul."""
