@@ -27,11 +27,16 @@ from backend.kernels import native  # noqa: E402
 from backend.kernels.quants import QType, dequantize  # noqa: E402
 from tests.helpers.qblocks import random_blocks  # noqa: E402
 
-# Q4_K_M files: Q4_K gate and up, down Q6_K in about half the layers and Q4_K in the rest.
+# Q4_K_M files: Q4_K gate and up, down Q6_K in about half the layers and Q4_K in the rest;
+# Q5_K_M files likewise with Q5_K.
 KINDS = {
     "Q4_0": (QType.Q4_0, QType.Q4_0, QType.Q4_0),
     "Q4_K": (QType.Q4_K, QType.Q4_K, QType.Q4_K),
     "Q4_K + Q6_K down": (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+    "Q5_K + Q6_K down": (QType.Q5_K, QType.Q5_K, QType.Q6_K),  # Q5_K_M
+    "Q8_0": (QType.Q8_0, QType.Q8_0, QType.Q8_0),
+    "Q3_K + Q5_K down": (QType.Q3_K, QType.Q3_K, QType.Q5_K),  # Q3_K_M
+    "IQ4_XS": (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
 }
 
 

@@ -26,7 +26,7 @@ from backend.models.generate import chat_prompt_ids, greedy_reference
 from backend.models.loader import LoadedModel
 
 SLOT_NOTES = {
-    "stored": "A cache slot holds one expert's stored (quantized) bytes. Compute reads them directly (a fused kernel for Q4_0/Q4_1/Q4_K/Q6_K experts with few rows, on the CPU) or dequantizes them on use; either way it is counted as compute time.",
+    "stored": "A cache slot holds one expert's stored (quantized) bytes. Compute reads them directly (a fused kernel for Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 experts with few rows, on the CPU) or dequantizes them on use; either way it is counted as compute time.",
     "decoded": "A cache slot holds one expert's weights dequantized to the compute dtype; dequantization happens once per fetch and is counted as link time.",
 }
 MEMORY_NOTE = (

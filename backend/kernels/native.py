@@ -1,10 +1,11 @@
-"""Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 weights and
-for decoding attention, in C: ``q4_matmul.c`` (the products, one expert, a MoE layer's experts),
-``attention.c`` (decoding attention and the attention block), ``decode.c`` (a decoding
-group's walk through the layers over those two; ``decode.py``) and the headers they include
-(``simd.h``: vector helpers; ``kernels.h``: the exported functions, whose signatures are the
-ctypes argtypes set below). They are compiled together into one library with the system C
-compiler on first use and cached per machine. What they were measured to take is in
+"""Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q3_K / Q4_K / Q5_K / Q6_K /
+Q8_0 / IQ4_XS weights and for decoding attention, in C: ``q4_matmul.c`` (the products, one expert, a
+MoE layer's experts), ``attention.c`` (decoding attention and the attention block),
+``decode.c`` (a decoding group's walk through the layers over those two; ``decode.py``)
+and the headers they include (``simd.h``: vector helpers; ``kernels.h``: the exported
+functions, whose signatures are the ctypes argtypes set below). They are compiled
+together into one library with the system C compiler on first use and cached per
+machine. What they were measured to take is in
 ``docs/performance.md``; this states what they compute and why they are built so.
 
 Decoding multiplies one to eight rows by each weight, so the time goes to widening the
@@ -82,6 +83,10 @@ EXPERT_TYPES = {
     QType.Q4_1: (32, 20, 1),
     QType.Q4_K: (256, 144, 2),
     QType.Q6_K: (256, 210, 3),
+    QType.Q5_K: (256, 176, 4),
+    QType.Q8_0: (32, 34, 5),
+    QType.Q3_K: (256, 110, 6),
+    QType.IQ4_XS: (256, 136, 7),
 }
 
 _lock = threading.Lock()
@@ -342,7 +347,7 @@ def mlp_types(parts: tuple) -> int | None:
     ):
         if inner % 32 or hidden % 32 or cols % width or nbytes != inner * hidden // width * bb:
             return None
-        codes |= code << (2 * i)
+        codes |= code << (3 * i)
     return codes
 
 

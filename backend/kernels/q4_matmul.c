@@ -1,5 +1,5 @@
-/* Products with Q4_0 / Q4_1 / Q4_K / Q6_K weights, straight from their blocks, for a few
- * rows (decoding).
+/* Products with Q4_0 / Q4_1 / Q3_K / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS weights, straight
+ * from their blocks, for a few rows (decoding).
  * Compiled with attention.c into one library by backend/kernels/native.py (see there for
  * why; docs/performance.md for what was measured).
  *
@@ -185,16 +185,20 @@ static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 #endif
 
-/* Q4_K (k a multiple of 256): super-blocks of 256 weights, 144 bytes: f16 d, f16 dmin, 12
-   bytes of 6-bit scales and mins of its 8 sub-blocks of 32, then 128 bytes whose 32-byte
-   run j holds sub-block 2j in its low nibbles and 2j + 1 in its high ones. A weight is
-   d * sc * q - dmin * mn: each sub-block a Q4_1-like block of scale d * sc and offset
+/* Q4_K and Q5_K (k a multiple of 256): super-blocks of 256 weights with f16 d, f16 dmin and
+   12 bytes of 6-bit scales and mins of their 8 sub-blocks of 32 (bytes 0-15), then Q4_K:
+   128 bytes whose 32-byte run j holds sub-block 2j in its low nibbles and 2j + 1 in its
+   high ones (144 bytes); Q5_K: 32 bytes qh whose bits 2j and 2j + 1 are the fifth bits
+   (16) of those two sub-blocks' weights, then the nibbles as Q4_K's (176 bytes). A weight
+   is d * sc * q - dmin * mn: each sub-block a Q4_1-like block of scale d * sc and offset
    -dmin * mn, summed as Q4_1's are (each row on its own, in one order). */
-static void q4k_cols(const uint8_t *w, const float *x, const float *xsum, int m, int k,
-                     float *y, int ldy, int n0, int n1) {
+static inline __attribute__((always_inline)) void qk_cols(const uint8_t *w, const int five,
+                                                          const float *x, const float *xsum,
+                                                          int m, int k, float *y, int ldy,
+                                                          int n0, int n1) {
     const int ns = k / 256, nb = k / 32;
-    const size_t bs = 144;
-    const __m256i low = _mm256_set1_epi8(0x0F);
+    const size_t bs = five ? 176 : 144;
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
     for (int n = n0; n < n1; n++) {
         acc_t acc[ROWS];
         float tail[ROWS];
@@ -205,14 +209,22 @@ static void q4k_cols(const uint8_t *w, const float *x, const float *xsum, int m,
         const uint8_t *row = w + (size_t)n * ns * bs;
         for (int sb = 0; sb < ns; sb++) {
             const uint8_t *blk = row + (size_t)sb * bs;
-            _mm_prefetch((const char *)(blk + bs), _MM_HINT_T0);
-            _mm_prefetch((const char *)(blk + bs + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(blk + bs + 128), _MM_HINT_T0);
+            for (size_t ahead = 0; ahead < bs; ahead += 64)
+                _mm_prefetch((const char *)(blk + bs + ahead), _MM_HINT_T0);
             const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            const uint8_t *qs = blk + (five ? 48 : 16);
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                    : _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
-                __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+                __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
                 __m256i lo = _mm256_and_si256(q, low);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                if (five) {
+                    __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one);
+                    __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+                }
                 int sc, mn;
                 q4k_scale_min(blk + 4, 2 * j, &sc, &mn);
                 float dv = d * (float)sc, cv = dmin * (float)mn;
@@ -298,14 +310,110 @@ static void q6k_cols(const uint8_t *w, const float *x, int m, int k, float *y, i
     }
 }
 
+/* Q3_K (k a multiple of 256): super-blocks of 256 weights, 110 bytes: 32 bytes hmask, 64
+   bytes of 2-bit weights, 12 bytes of 16 packed 6-bit scales, f16 d. In half h of 128, group
+   j of 32 takes bits 2j, 2j + 1 of the 32 bytes at 32 h, less 4 unless bit 4h + j of its
+   hmask byte is set; a weight is d * (scale - 32) * q, one scale per 16 weights
+   (ggml's dequantize_row_q3_K). */
+static void q3k_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
+                     int n1) {
+    const int ns = k / 256;
+    const size_t bs = 110;
+    const __m256i three = _mm256_set1_epi8(0x03), one = _mm256_set1_epi8(0x01);
+    const __m256i four = _mm256_set1_epi8(4);
+    for (int n = n0; n < n1; n++) {
+        acc_t acc[ROWS];
+        for (int r = 0; r < m; r++) acc[r] = acc_zero();
+        const uint8_t *row = w + (size_t)n * ns * bs;
+        for (int sb = 0; sb < ns; sb++) {
+            const uint8_t *blk = row + (size_t)sb * bs;
+            _mm_prefetch((const char *)(blk + bs), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + bs + 64), _MM_HINT_T0);
+            const float d = f16_at(blk + 108);
+            uint32_t aux[4];
+            memcpy(aux, blk + 96, 12);
+            const uint32_t tmp = aux[2], m1 = 0x03030303, m2 = 0x0f0f0f0f;
+            aux[2] = ((aux[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4);
+            aux[3] = ((aux[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4);
+            aux[0] = (aux[0] & m2) | (((tmp >> 0) & m1) << 4);
+            aux[1] = (aux[1] & m2) | (((tmp >> 2) & m1) << 4);
+            const int8_t *scales = (const int8_t *)aux;
+            const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+            for (int h = 0; h < 2; h++) {
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * h));
+                for (int j = 0; j < 4; j++) {
+                    __m256i q = _mm256_and_si256(_mm256_srli_epi16(qv, 2 * j), three);
+                    __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one);
+                    q = _mm256_sub_epi8(_mm256_or_si256(q, _mm256_slli_epi16(hb, 2)), four);
+                    const int at = sb * 256 + 128 * h + 32 * j;
+                    float dv = d * (float)(scales[8 * h + 2 * j] - 32);
+                    K6SUB(_mm256_castsi256_si128(q), at)
+                    dv = d * (float)(scales[8 * h + 2 * j + 1] - 32);
+                    K6SUB(_mm256_extracti128_si256(q, 1), at + 16)
+                }
+            }
+        }
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(acc[r]);
+    }
+}
+
+/* IQ4_XS (k a multiple of 256): super-blocks of 256 weights, 136 bytes: f16 d, 16 bits of
+   high scale bits, 4 bytes of low ones, then 16 bytes per sub-block of 32 (low nibbles its
+   first 16 weights, high nibbles the rest), each nibble an index into IQ4_NL's 16 values;
+   a weight is d * (scale - 32) * value (ggml's dequantize_row_iq4_xs). */
+static void iq4xs_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
+                       int n1) {
+    const int ns = k / 256;
+    const size_t bs = 136;
+    const __m128i values = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
+                                         53, 69, 89, 113);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int n = n0; n < n1; n++) {
+        acc_t acc[ROWS];
+        for (int r = 0; r < m; r++) acc[r] = acc_zero();
+        const uint8_t *row = w + (size_t)n * ns * bs;
+        for (int sb = 0; sb < ns; sb++) {
+            const uint8_t *blk = row + (size_t)sb * bs;
+            _mm_prefetch((const char *)(blk + bs), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + bs + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + bs + 128), _MM_HINT_T0);
+            const float d = f16_at(blk);
+            uint16_t sh;
+            memcpy(&sh, blk + 2, 2);
+            for (int ib = 0; ib < 8; ib++) {
+                const int ls = ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+                const float dv = d * (float)(ls - 32);
+                const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 8 + 16 * ib));
+                const __m128i lo = _mm_shuffle_epi8(values, _mm_and_si128(q, low));
+                const __m128i hi = _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(q, 4), low));
+                const int at = sb * 256 + 32 * ib;
+                K6SUB(lo, at)
+                K6SUB(hi, at + 16)
+            }
+        }
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(acc[r]);
+    }
+}
+
+static void q8_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
+                    int n1);
+
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
-   weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K. */
+   weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS. */
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
-    if (type == 3)
+    if (type == 7)
+        iq4xs_cols(w, x, m, k, y, ldy, n0, n1);
+    else if (type == 6)
+        q3k_cols(w, x, m, k, y, ldy, n0, n1);
+    else if (type == 5)
+        q8_cols(w, x, m, k, y, ldy, n0, n1);
+    else if (type == 4)
+        qk_cols(w, 1, x, xsum, m, k, y, ldy, n0, n1);
+    else if (type == 3)
         q6k_cols(w, x, m, k, y, ldy, n0, n1);
     else if (type == 2)
-        q4k_cols(w, x, xsum, m, k, y, ldy, n0, n1);
+        qk_cols(w, 0, x, xsum, m, k, y, ldy, n0, n1);
     else if (type == 1)
         BY_ROWS(1)
     else
@@ -351,12 +459,12 @@ int bevy_q4_linear(const uint8_t *w, int type, const float *x, float *y, int M, 
 }
 
 /* out [M, hidden] = down(silu(gate(x)) * up(x)) for one expert; x [M, hidden]; gate and up
-   [inner, hidden], down [hidden, inner]. types: bits 0-1, 2-3, 4-5: gate's, up's and
-   down's block type (0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K).
+   [inner, hidden], down [hidden, inner]. types: bits 0-2, 3-5, 6-8: gate's, up's and
+   down's block type (0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS).
    On `threads` threads; 0 on success, -1 if out of memory. */
 int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int types,
                        const float *x, float *out, int M, int inner, int hidden, int threads) {
-    const int gq = types & 3, uq = (types >> 2) & 3, dq = (types >> 4) & 3;
+    const int gq = types & 7, uq = (types >> 3) & 7, dq = (types >> 6) & 7;
     const int nbh = hidden / 32, nbi = inner / 32;
     const int ci = n_chunks(inner), ch = n_chunks(hidden);
     float *h = malloc(sizeof(float) * ((size_t)M * inner * 2 + (size_t)M * (nbh + nbi)) + 1);

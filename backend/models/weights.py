@@ -63,8 +63,9 @@ def dequantize_slot(
 
 
 class StoredExpert:
-    """An expert applied straight from its stored Q4_0 / Q4_1 / Q4_K / Q6_K bytes by the native kernel
-    (``native.expert_mlp``, what the engine's native backend runs), for up to
+    """An expert applied straight from its stored bytes (the block types of
+    ``native.EXPERT_TYPES``) by the native kernel (``native.expert_mlp``, what the
+    engine's native backend runs), for up to
     ``native.EXPERT_MAX_ROWS`` rows; more rows (a prompt) go through its dequantized
     weights, where BLAS is the faster product. ``Transformer.moe`` calls it on its rows."""
 
@@ -87,8 +88,8 @@ class ResidentExperts:
     """All experts readable from memory-mapped files.
 
     The plain (non-offloading) path. With ``native`` (where the C kernels build, on the
-    CPU in float32), Q4_0 / Q4_1 / Q4_K / Q6_K experts are applied from their mapped bytes
-    (``StoredExpert``), as the engine applies them; others are dequantized on use and kept
+    CPU in float32), experts in the kernels' block types (``native.EXPERT_TYPES``) are
+    applied from their mapped bytes (``StoredExpert``), as the engine applies them; others are dequantized on use and kept
     in an LRU bounded by ``budget_bytes``, because dequantizing every expert on every token
     dominates otherwise.
     """

@@ -10,16 +10,16 @@ HIDDEN, INNER = 64, 96
 
 
 def random_blocks(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Random blocks of a weight [rows, cols] with f16 scales of a sane size (Q6_K's
-    super-block scale is its last 2 bytes; the others' lead their block)."""
+    """Random blocks of a weight [rows, cols] with f16 scales of a sane size (Q6_K's and
+    Q3_K's super-block scale is its last 2 bytes; the others' lead their block)."""
     g = torch.Generator().manual_seed(seed)
     width, bb = block_shape(qtype)
     n = rows * cols // width
     raw = torch.randint(0, 256, (n, bb), dtype=torch.uint8, generator=g)
-    n_scales = 2 if qtype in (QType.Q4_1, QType.Q4_K) else 1
+    n_scales = 2 if qtype in (QType.Q4_1, QType.Q4_K, QType.Q5_K) else 1
     size = 0.002 if width == 256 else 0.05  # (K-quants multiply by sub-block scales too)
     scales = (torch.randn((n, n_scales), generator=g) * size).half()
-    at = bb - 2 if qtype == QType.Q6_K else 0
+    at = bb - 2 if qtype in (QType.Q6_K, QType.Q3_K) else 0
     raw[:, at : at + 2 * n_scales] = scales.view(torch.uint8).view(n, 2 * n_scales)
     return raw.reshape(-1)
 

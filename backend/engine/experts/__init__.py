@@ -1,6 +1,6 @@
 """Expert-compute backends, one chosen when the engine starts (``select``).
 
-- ``native``: hand-written CPU kernels on stored Q4_0/Q4_1/Q4_K/Q6_K bytes (``native.py``);
+- ``native``: hand-written CPU kernels on stored Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 bytes;
 - ``compiled``: Inductor graphs on the same bytes, where the kernels do not build;
 - ``grouped``: a job's experts decoded and multiplied together (accelerators);
 - ``eager``: dequantize, then torch's matmuls: every device and block type.
@@ -85,7 +85,8 @@ def why_not(
             return "the native kernels did not build on this machine (see the log)"
         refused = sorted({str(k[0][0].name) for k in kinds if native.mlp_types(k) is None})
         if refused:
-            return f"the native kernels take Q4_0/Q4_1/Q4_K/Q6_K experts, not {', '.join(refused)}"
+            takes = "/".join(q.name for q in native.EXPERT_TYPES)
+            return f"the native kernels take {takes} experts, not {', '.join(refused)}"
         for layer in experts:
             if layer and len({tuple(r.gate.shape) for r in layer}) > 1:
                 return "a layer's experts differ in shape"

@@ -245,7 +245,7 @@ def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, mod
     results = {}
     for ride in (True, False):
         monkeypatch.undo()
-        mlps = spy(monkeypatch, EagerExperts, "mlp")  # these models' experts run eager
+        mlps = spy(monkeypatch, EagerExperts, "mlp")  # (the eager backend, asked for below)
         shared = []  # per run with a group and riders: (rows expected, products run)
         real_run = JobRunner.run
 
@@ -263,7 +263,7 @@ def test_riders_share_expert_reads_and_change_no_result(models, monkeypatch, mod
             return out
 
         monkeypatch.setattr(JobRunner, "run", run)
-        config = EngineConfig(policy="bevy", cache="0.3", storage="ssd")
+        config = EngineConfig(policy="bevy", cache="0.3", storage="ssd", expert_backend="eager")
         out = run_clean(models[model_name], config, ride=ride)
         results[ride] = (out, shared)
     (out, shared), (out0, shared0) = results[True], results[False]
@@ -285,9 +285,8 @@ def test_expert_batches_change_no_result(models, monkeypatch, cache) -> None:
     results = []
     for per_batch in (eager.ROUTES_PER_BATCH, 3):
         monkeypatch.setattr(eager, "ROUTES_PER_BATCH", per_batch)
-        results.append(
-            run_clean(models["mixtral-q8-gguf"], EngineConfig(policy="bevy", cache=cache))
-        )
+        config = EngineConfig(policy="bevy", cache=cache, expert_backend="eager")
+        results.append(run_clean(models["mixtral-q8-gguf"], config))
     assert_same_results(*results)
 
 
@@ -411,8 +410,8 @@ def test_every_expert_backend_that_runs_here_matches_plain_generation(
 
 def test_an_expert_backend_that_cannot_run_is_an_error(models) -> None:
     q8 = models["mixtral-q8-gguf"]
-    with pytest.raises(BevyError, match="take Q4_0/Q4_1/Q4_K/Q6_K experts, not Q8_0|did not build"):
-        Engine(q8, EngineConfig(expert_backend="native"))
+    with pytest.raises(BevyError, match="experts, not F32|did not build"):
+        Engine(models["qwen3-hf"], EngineConfig(expert_backend="native"))
     with pytest.raises(BevyError, match="decoded weights"):
         Engine(q8, EngineConfig(expert_backend="grouped", slot_format="decoded"))
     with pytest.raises(BevyError, match="turned off"):

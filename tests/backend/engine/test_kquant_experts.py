@@ -1,6 +1,6 @@
-"""Q4_K / Q6_K experts (what Q4_K_M files hold) on the native kernels: the engine picks
-the native backend for them, and its tokens and logits are plain generation's, where the
-experts are dequantized then multiplied."""
+"""K-quant experts (as Q4_K_M and Q3_K_M files hold them) on the native kernels: the engine
+picks the native backend for them, and its tokens and logits are plain generation's,
+where the experts are dequantized then multiplied."""
 
 from __future__ import annotations
 
@@ -27,19 +27,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def kquant(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoadedModel, list]:
+# (gate and up, down) as Q4_K_M and Q3_K_M files store many of their experts
+MIXES = {"q4_k_m": (QType.Q4_K, QType.Q6_K), "q3_k_m": (QType.Q3_K, QType.Q5_K)}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXES))
+def kquant(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[LoadedModel, list]:
     """A tiny Mixtral (rows of 256: a K-quant super-block) with Q4_0 attention, which the
-    decode walk takes, and Q4_K gate and up and Q6_K down experts; plain generation's
-    results for the engine tests' prompts."""
+    decode walk takes, and K-quant experts; plain generation's results for the engine
+    tests' prompts."""
     root = tmp_path_factory.mktemp("kquant")
     folder = make_tiny("mixtral", root / "hf", hidden_size=256, intermediate_size=256)
     q4 = write_gguf(load_model(folder), root / "q4_0.gguf", QType.Q4_0)
-    model = load_model(with_k_quant_experts(q4, root / "q4_k_m.gguf"))
-    assert {p.qtype for layer in model.experts for e in layer for p in e.parts} == {
-        QType.Q4_K,
-        QType.Q6_K,
-    }
+    gate_up, down = MIXES[request.param]
+    model = load_model(with_k_quant_experts(q4, root / f"{request.param}.gguf", gate_up, down))
+    assert {p.qtype for layer in model.experts for e in layer for p in e.parts} == {gate_up, down}
     return model, plain_references(model)
 
 
@@ -75,4 +79,4 @@ def test_rows_not_a_whole_super_block_are_refused() -> None:
     good = ((QType.Q4_K, (768, 2048), 768 * 8 * 144),) * 2 + (
         (QType.Q6_K, (2048, 768), 2048 * 3 * 210),
     )
-    assert native.mlp_types(good) == 2 | 2 << 2 | 3 << 4
+    assert native.mlp_types(good) == 2 | 2 << 3 | 3 << 6

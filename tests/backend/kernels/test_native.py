@@ -73,11 +73,15 @@ def test_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
         assert torch.equal(native.expert_mlp(parts, x[i : i + 1])[0], got[i])
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+@pytest.mark.parametrize(
+    "qtype", [QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS]
+)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_k_quant_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: QType, rows: int):
-    """Q4_K and Q6_K super-blocks (256 weights: 8 sub-blocks with 6-bit scales and mins,
-    16 with int8 scales) straight from their bytes, each row on its own."""
+    """K-quant super-blocks of 256 weights (Q4_K and Q5_K: 8 sub-blocks with 6-bit scales
+    and mins, Q5_K with a fifth bit per weight; Q6_K: 16 int8 scales; Q3_K: 16 packed
+    6-bit scales over 2 bits and a high-bit mask), IQ4_XS's (16 non-linear values per
+    nibble) and Q8_0 blocks straight from their bytes, each row on its own."""
     monkeypatch.setattr(native, "_lib", lib)
     n, k = 291, 512
     raw = random_blocks(qtype, n, k, seed=rows)
@@ -88,16 +92,25 @@ def test_k_quant_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: Q
     for lo, hi in ((0, 1), (rows - 1, rows), (1, rows)):
         assert torch.equal(native.linear(raw, qtype, (n, k), x[lo:hi]), got[lo:hi])
     assert native.linear(raw[: raw.numel() // 2], qtype, (n, k), x) is None
-    assert native.linear(raw, qtype, (n * 4, k // 4), x[:, : k // 4]) is None  # rows of 128
+    if qtype != QType.Q8_0:  # a K-quant row is whole super-blocks of 256
+        assert native.linear(raw, qtype, (n * 4, k // 4), x[:, : k // 4]) is None
 
 
+@pytest.mark.parametrize(
+    "qtypes",
+    [
+        (QType.Q4_K, QType.Q4_K, QType.Q6_K),  # as Q4_K_M files store half their experts
+        (QType.Q5_K, QType.Q5_K, QType.Q6_K),  # Q5_K_M
+        (QType.Q8_0, QType.Q4_K, QType.Q5_K),
+        (QType.Q3_K, QType.Q3_K, QType.Q5_K),  # Q3_K_M
+        (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
+    ],
+)
 @pytest.mark.parametrize("rows", [1, 5, 8])
-def test_k_quant_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
-    """Gate and up in Q4_K, down in Q6_K, as a Q4_K_M file stores many experts."""
+def test_k_quant_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, qtypes, rows: int):
     monkeypatch.setattr(native, "_lib", lib)
     inner, hidden = 512, 256
     shapes = ((inner, hidden), (inner, hidden), (hidden, inner))
-    qtypes = (QType.Q4_K, QType.Q4_K, QType.Q6_K)
     parts = tuple(
         (random_blocks(q, *shape, seed=rows + i), q, shape)
         for i, (q, shape) in enumerate(zip(qtypes, shapes, strict=True))
