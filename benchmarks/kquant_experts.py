@@ -15,6 +15,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,12 +38,15 @@ KINDS = {
     "Q8_0": (QType.Q8_0, QType.Q8_0, QType.Q8_0),
     "Q3_K + Q5_K down": (QType.Q3_K, QType.Q3_K, QType.Q5_K),  # Q3_K_M
     "IQ4_XS": (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
+    # Gemma 4's Q4_K_M: its 704-wide down rows cannot be K-quants; GELU-gated
+    "Q4_K + Q5_0 down, GELU": (QType.Q4_K, QType.Q4_K, QType.Q5_0),
 }
 
 
-def eager(parts, x: torch.Tensor) -> torch.Tensor:
+def eager(parts, x: torch.Tensor, act: str) -> torch.Tensor:
     g, u, d = (dequantize(raw, q, s) for raw, q, s in parts)
-    return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+    a = F.silu(F.linear(x, g)) if act == "silu" else F.gelu(F.linear(x, g), approximate="tanh")
+    return F.linear(a * F.linear(x, u), d)
 
 
 def timed(fn, experts: list, x: torch.Tensor, rounds: int) -> float:
@@ -80,10 +84,11 @@ def main() -> int:
         ]
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, args.hidden, generator=torch.Generator().manual_seed(rows))
-            fast = timed(native.expert_mlp, experts, x, args.rounds)
-            slow = timed(eager, experts[:8], x, args.rounds)
+            act = "gelu" if "GELU" in name else "silu"
+            fast = timed(partial(native.expert_mlp, act=act), experts, x, args.rounds)
+            slow = timed(partial(eager, act=act), experts[:8], x, args.rounds)
             print(
-                f"{name:18} rows {rows}: native {fast:.3f}  eager {slow:.3f}  ({slow / fast:.0f}x)"
+                f"{name:24} rows {rows}: native {fast:.3f}  eager {slow:.3f}  ({slow / fast:.0f}x)"
             )
     return 0
 

@@ -122,6 +122,7 @@ class Engine:
                 use_native=config.native,
                 use_compile=config.compile,
                 plain=model.config.plain_experts,
+                act=model.config.native_act,
             )
         except BevyError:
             self.store.close()

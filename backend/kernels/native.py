@@ -1,5 +1,5 @@
-"""Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q3_K / Q4_K / Q5_K / Q6_K /
-Q8_0 / IQ4_XS weights and for decoding attention, in C: ``q4_matmul.c`` (the products, one expert, a
+"""Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q5_0 / Q3_K / Q4_K / Q5_K /
+Q6_K / Q8_0 / IQ4_XS weights and for decoding attention, in C: ``q4_matmul.c`` (the products, one expert, a
 MoE layer's experts), ``attention.c`` (decoding attention and the attention block),
 ``decode.c`` (a decoding group's walk through the layers over those two; ``decode.py``)
 and the headers they include (``simd.h``: vector helpers; ``kernels.h``: the exported
@@ -87,7 +87,10 @@ EXPERT_TYPES = {
     QType.Q8_0: (32, 34, 5),
     QType.Q3_K: (256, 110, 6),
     QType.IQ4_XS: (256, 136, 7),
+    QType.Q5_0: (32, 22, 8),
 }
+# The expert kernels' activations (``ModelConfig.native_act``) and their bit in ``types``.
+ACTS = {"silu": 0, "gelu": 1 << 12}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -296,13 +299,14 @@ def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Ten
     return y
 
 
-def expert_mlp(parts: tuple, x: torch.Tensor):
-    """down(silu(gate(x)) * up(x)) for ``parts`` = ((raw, qtype, shape) of gate, up, down);
-    None where the kernels are unavailable or do not take these arguments."""
+def expert_mlp(parts: tuple, x: torch.Tensor, act: str = "silu"):
+    """down(act(gate(x)) * up(x)) for ``parts`` = ((raw, qtype, shape) of gate, up, down),
+    ``act`` SiLU or GELU (tanh); None where the kernels are unavailable or do not take
+    these arguments."""
     lib = library()
     if lib is None:
         return None
-    types = mlp_types(tuple((q, shape, raw.numel()) for raw, q, shape in parts))
+    types = mlp_types(tuple((q, shape, raw.numel()) for raw, q, shape in parts), act)
     if types is None or not all(
         raw.dtype == torch.uint8 and raw.device.type == "cpu" and raw.is_contiguous()
         for raw, _, _ in parts
@@ -331,9 +335,12 @@ def expert_mlp(parts: tuple, x: torch.Tensor):
     return out
 
 
-def mlp_types(parts: tuple) -> int | None:
+def mlp_types(parts: tuple, act: str = "silu") -> int | None:
     """The kernels' ``types`` bits for an expert whose parts are ((qtype, (rows, cols),
-    nbytes) of gate, up, down), or None if they do not take it (block types, shapes, sizes)."""
+    nbytes) of gate, up, down) and whose activation is ``act`` (SiLU or GELU), or None if
+    they do not take it (block types, shapes, sizes)."""
+    if act not in ACTS:
+        return None
     (gq, gs, gn), (uq, us, un), (dq, ds, dn) = parts
     kinds = [EXPERT_TYPES.get(q) for q in (gq, uq, dq)]
     if None in kinds or len(gs) != 2:
@@ -347,8 +354,8 @@ def mlp_types(parts: tuple) -> int | None:
     ):
         if inner % 32 or hidden % 32 or cols % width or nbytes != inner * hidden // width * bb:
             return None
-        codes |= code << (3 * i)
-    return codes
+        codes |= code << (4 * i)
+    return codes | ACTS[act]
 
 
 def moe(

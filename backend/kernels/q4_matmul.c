@@ -1,5 +1,5 @@
-/* Products with Q4_0 / Q4_1 / Q3_K / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS weights, straight
- * from their blocks, for a few rows (decoding).
+/* Products with Q4_0 / Q4_1 / Q5_0 / Q3_K / Q4_K / Q5_K / Q6_K / Q8_0 / IQ4_XS weights,
+ * straight from their blocks, for a few rows (decoding).
  * Compiled with attention.c into one library by backend/kernels/native.py (see there for
  * why; docs/performance.md for what was measured).
  *
@@ -395,14 +395,53 @@ static void iq4xs_cols(const uint8_t *w, const float *x, int m, int k, float *y,
     }
 }
 
+/* Q5_0: blocks of 32 weights, 22 bytes: f16 d, 32 bits qh (the fifth bit of weight j is
+   bit j), 16 bytes of nibbles (weight j low, j + 16 high); a weight is d * (q - 16)
+   (ggml's dequantize_row_q5_0). */
+static void q50_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
+                     int n1) {
+    const int nb = k / 32;
+    const size_t bs = 22;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i five = _mm256_set1_epi8(0x10), off = _mm256_set1_epi8(16);
+    for (int n = n0; n < n1; n++) {
+        acc_t acc[ROWS];
+        for (int r = 0; r < m; r++) acc[r] = acc_zero();
+        const uint8_t *row = w + (size_t)n * nb * bs;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * bs;
+            _mm_prefetch((const char *)(blk + (size_t)nb * bs), _MM_HINT_T0); /* next row's */
+            const float dv = f16_at(blk);
+            uint32_t qh;
+            memcpy(&qh, blk + 2, 4);
+            /* byte j: 0xFF where bit j of qh is set */
+            __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick);
+            hb = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 6));
+            __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low),
+                                         _mm_and_si128(qs, low));
+            q = _mm256_sub_epi8(_mm256_or_si256(q, _mm256_and_si256(hb, five)), off);
+            K6SUB(_mm256_castsi256_si128(q), 32 * b)
+            K6SUB(_mm256_extracti128_si256(q, 1), 32 * b + 16)
+        }
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(acc[r]);
+    }
+}
+
 static void q8_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
                     int n1);
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
-   weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS. */
+   weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS,
+   8 Q5_0. */
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
-    if (type == 7)
+    if (type == 8)
+        q50_cols(w, x, m, k, y, ldy, n0, n1);
+    else if (type == 7)
         iq4xs_cols(w, x, m, k, y, ldy, n0, n1);
     else if (type == 6)
         q3k_cols(w, x, m, k, y, ldy, n0, n1);
@@ -458,13 +497,19 @@ int bevy_q4_linear(const uint8_t *w, int type, const float *x, float *y, int M, 
     return 0;
 }
 
-/* out [M, hidden] = down(silu(gate(x)) * up(x)) for one expert; x [M, hidden]; gate and up
-   [inner, hidden], down [hidden, inner]. types: bits 0-2, 3-5, 6-8: gate's, up's and
-   down's block type (0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS).
+/* GELU's tanh approximation, as transformers' gelu_pytorch_tanh writes it. */
+static inline float gelu_tanh(float g) {
+    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+/* out [M, hidden] = down(act(gate(x)) * up(x)) for one expert; x [M, hidden]; gate and up
+   [inner, hidden], down [hidden, inner]. types: bits 0-3, 4-7, 8-11: gate's, up's and
+   down's block type (as for q4_cols); bit 12: act is GELU (tanh), else SiLU.
    On `threads` threads; 0 on success, -1 if out of memory. */
 int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int types,
                        const float *x, float *out, int M, int inner, int hidden, int threads) {
-    const int gq = types & 7, uq = (types >> 3) & 7, dq = (types >> 6) & 7;
+    const int gq = types & 15, uq = (types >> 4) & 15, dq = (types >> 8) & 15;
+    const int gelu = (types >> 12) & 1;
     const int nbh = hidden / 32, nbi = inner / 32;
     const int ci = n_chunks(inner), ch = n_chunks(hidden);
     float *h = malloc(sizeof(float) * ((size_t)M * inner * 2 + (size_t)M * (nbh + nbi)) + 1);
@@ -485,7 +530,8 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
                 for (int r = 0; r < m; r++)
                     for (int n = n0; n < n1; n++) {
                         float g = hr[(size_t)r * inner + n];
-                        hr[(size_t)r * inner + n] = g / (1.f + expf(-g)) * ur[(size_t)r * inner + n];
+                        float a = gelu ? gelu_tanh(g) : g / (1.f + expf(-g));
+                        hr[(size_t)r * inner + n] = a * ur[(size_t)r * inner + n];
                     }
             }
 #pragma omp single

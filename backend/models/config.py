@@ -145,6 +145,16 @@ class ModelConfig:
         return self.expert_act == "silu" and not self.expert_bias
 
     @property
+    def native_act(self) -> str | None:
+        """The experts' activation where the native expert kernels compute them (SiLU- or
+        GELU-gated, no biases), else None."""
+        return (
+            self.expert_act
+            if self.expert_act in ("silu", "gelu") and not self.expert_bias
+            else None
+        )
+
+    @property
     def rope_dim(self) -> int:
         """The dims of each head that RoPE rotates."""
         return self.rotary_dim or self.head_dim

@@ -67,7 +67,13 @@ class LoadedModel:
         stored bytes where the kernels build (``ResidentExperts``)."""
         t = self.transformer
         return ResidentExperts(
-            self.files, self.experts, t.dtype, t.device, budget_mib << 20, native=native
+            self.files,
+            self.experts,
+            t.dtype,
+            t.device,
+            budget_mib << 20,
+            native=native,
+            act=t.config.native_act,
         )
 
 

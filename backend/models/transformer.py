@@ -642,7 +642,7 @@ class Transformer:
             rows, slot = (ids == e).nonzero(as_tuple=True)
             expert = get_expert(layer, e)
             if isinstance(expert, StoredExpert):  # the kernel on its bytes, up to its rows
-                y = expert(x[rows]) if self.config.plain_experts else None
+                y = expert(x[rows]) if self.config.native_act else None
                 expert = expert.weights() if y is None else None
             if expert is not None:
                 y = self.expert_mlp(expert, x[rows], layer, e)

@@ -69,16 +69,19 @@ class StoredExpert:
     ``native.EXPERT_MAX_ROWS`` rows; more rows (a prompt) go through its dequantized
     weights, where BLAS is the faster product. ``Transformer.moe`` calls it on its rows."""
 
-    def __init__(self, parts: tuple, dequantized) -> None:
+    def __init__(self, parts: tuple, dequantized, act: str = "silu") -> None:
         self.parts = parts  # ((raw bytes, qtype, shape) of gate, up, down)
         self._dequantized = dequantized  # () -> ExpertWeights
+        self.act = act
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        """down(silu(gate(x)) * up(x)) by the kernel; None past its rows (the caller then
+        """down(act(gate(x)) * up(x)) by the kernel; None past its rows (the caller then
         multiplies ``weights()``)."""
         from backend.kernels import native
 
-        return native.expert_mlp(self.parts, x) if x.shape[0] <= native.EXPERT_MAX_ROWS else None
+        if x.shape[0] > native.EXPERT_MAX_ROWS:
+            return None
+        return native.expert_mlp(self.parts, x, self.act)
 
     def weights(self) -> ExpertWeights:
         return self._dequantized()
@@ -102,6 +105,7 @@ class ResidentExperts:
         device: torch.device,
         budget_bytes: int,
         native: bool = False,
+        act: str | None = "silu",
     ) -> None:
         self.files = files
         self.experts = experts
@@ -110,7 +114,11 @@ class ResidentExperts:
         self.budget_bytes = budget_bytes
         self._lru: OrderedDict[tuple[int, int], ExpertWeights] = OrderedDict()
         self._bytes = 0
-        self._native = native and device.type == "cpu" and dtype == torch.float32
+        # (``act``: the experts' activation where the kernels compute them, else None)
+        self._native = (
+            native and act is not None and device.type == "cpu" and dtype == torch.float32
+        )
+        self._act = act
         self._stored: dict[tuple[int, int], StoredExpert | None] = {}
 
     def stored(self, layer: int, expert: int) -> StoredExpert | None:
@@ -123,9 +131,10 @@ class ResidentExperts:
 
             ref = self.experts[layer][expert]
             kinds = tuple((p.qtype, tuple(p.shape), p.nbytes) for p in ref.parts)
-            ok = native.available() and native.mlp_types(kinds) is not None
+            ok = native.available() and native.mlp_types(kinds, self._act) is not None
             parts = tuple((self.files.bytes_of(p), p.qtype, tuple(p.shape)) for p in ref.parts)
-            self._stored[key] = StoredExpert(parts, lambda: self.get(layer, expert)) if ok else None
+            deq = lambda: self.get(layer, expert)  # noqa: E731
+            self._stored[key] = StoredExpert(parts, deq, self._act) if ok else None
         return self._stored[key]
 
     @property

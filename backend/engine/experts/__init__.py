@@ -60,13 +60,20 @@ def why_not(
     use_native: bool = True,
     use_compile: bool = True,
     plain: bool = True,
+    act: str | None = "silu",
 ) -> str | None:
     """Why backend ``name`` cannot run these experts in these slots; None if it can.
-    ``plain``: the experts are SiLU-gated MLPs without biases (``ModelConfig.plain_experts``)."""
+    ``plain``: the experts are SiLU-gated MLPs without biases (``ModelConfig.plain_experts``);
+    ``act``: their activation where the native kernels compute them
+    (``ModelConfig.native_act``), else None."""
     if name == "eager":
         return None
-    if not plain:
+    if act is None:
         return "the experts have biases and a clamped SwiGLU (gpt-oss): only eager computes them"
+    if not plain and name != "native":
+        return (
+            "the experts are GELU-gated (Gemma 4): only the native and eager backends compute them"
+        )
     if slots.dtype != torch.uint8:
         return "the cache slots hold decoded weights (slot_format 'decoded'): only eager uses them"
     kinds = _kinds(experts)
@@ -83,7 +90,7 @@ def why_not(
             return "the native kernels are turned off (native=False, or BEVY_NATIVE=0)"
         if not native.available():
             return "the native kernels did not build on this machine (see the log)"
-        refused = sorted({str(k[0][0].name) for k in kinds if native.mlp_types(k) is None})
+        refused = sorted({str(k[0][0].name) for k in kinds if native.mlp_types(k, act) is None})
         if refused:
             takes = "/".join(q.name for q in native.EXPERT_TYPES)
             return f"the native kernels take {takes} experts, not {', '.join(refused)}"
@@ -113,12 +120,13 @@ def choose(
     use_native: bool = True,
     use_compile: bool = True,
     plain: bool = True,
+    act: str | None = "silu",
 ) -> str:
     """The backend ``requested`` ("auto" or a name) for slots of ``slot_dtype`` on
     ``device``, chosen before the slots are allocated; BevyError if a named one cannot
     run here."""
     probe = torch.empty(0, dtype=slot_dtype, device=device)
-    args = (experts, probe, dtype, use_native, use_compile, plain)
+    args = (experts, probe, dtype, use_native, use_compile, plain, act)
     if requested == "auto":
         order = ("grouped", "eager") if device.type != "cpu" else ("native", "compiled")
         name = next((n for n in order if why_not(n, *args) is None), "eager")

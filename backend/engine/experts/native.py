@@ -59,7 +59,7 @@ class NativeExperts(EagerExperts):
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > NATIVE_MAX_ROWS:
             return super().mlp(layer, e, x)
-        out = native.expert_mlp(self.stored_parts(layer, e), x)
+        out = native.expert_mlp(self.stored_parts(layer, e), x, self.t.config.native_act)
         if out is None:  # the start-up checks should make this impossible
             self.refused(f"expert {(layer, e)}")
             return super().mlp(layer, e, x)
@@ -84,7 +84,8 @@ class NativeExperts(EagerExperts):
         kind = self._kinds.get(key)
         if kind is None or kind[0] != at:
             parts = self.experts[key[0]][key[1]].parts
-            bits = native.mlp_types(tuple((p.qtype, p.shape, p.nbytes) for p in parts))
+            kinds = tuple((p.qtype, p.shape, p.nbytes) for p in parts)
+            bits = native.mlp_types(kinds, self.t.config.native_act)
             width = self.slots.shape[1]
             if bits is None or any(
                 o < 0 or o + p.nbytes > width for o, p in zip(at, parts, strict=True)

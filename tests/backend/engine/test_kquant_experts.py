@@ -72,11 +72,14 @@ def test_every_policy_on_the_native_backend(
 
 
 def test_rows_not_a_whole_super_block_are_refused() -> None:
-    """A K-quant row holds whole super-blocks of 256: a 704-wide expert (Gemma 4's) is
-    not taken, and its model runs on another backend."""
+    """A K-quant row holds whole super-blocks of 256: a 704-wide one is not taken (Gemma
+    4's files store those down experts as Q5_0 or Q8_0, which are); the activation is a
+    bit of the types."""
     kinds = ((QType.Q4_K, (704, 2816), 704 * 11 * 144),) * 2 + ((QType.Q6_K, (2816, 704), 0),)
     assert native.mlp_types(kinds) is None
     good = ((QType.Q4_K, (768, 2048), 768 * 8 * 144),) * 2 + (
         (QType.Q6_K, (2048, 768), 2048 * 3 * 210),
     )
-    assert native.mlp_types(good) == 2 | 2 << 3 | 3 << 6
+    assert native.mlp_types(good) == 2 | 2 << 4 | 3 << 8
+    assert native.mlp_types(good, "gelu") == 2 | 2 << 4 | 3 << 8 | 1 << 12
+    assert native.mlp_types(good, "swiglu_oai") is None

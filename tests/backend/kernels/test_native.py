@@ -74,14 +74,15 @@ def test_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
 
 
 @pytest.mark.parametrize(
-    "qtype", [QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS]
+    "qtype",
+    [QType.Q5_0, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS],
 )
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_k_quant_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: QType, rows: int):
     """K-quant super-blocks of 256 weights (Q4_K and Q5_K: 8 sub-blocks with 6-bit scales
     and mins, Q5_K with a fifth bit per weight; Q6_K: 16 int8 scales; Q3_K: 16 packed
     6-bit scales over 2 bits and a high-bit mask), IQ4_XS's (16 non-linear values per
-    nibble) and Q8_0 blocks straight from their bytes, each row on its own."""
+    nibble), Q5_0 and Q8_0 blocks straight from their bytes, each row on its own."""
     monkeypatch.setattr(native, "_lib", lib)
     n, k = 291, 512
     raw = random_blocks(qtype, n, k, seed=rows)
@@ -92,7 +93,7 @@ def test_k_quant_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: Q
     for lo, hi in ((0, 1), (rows - 1, rows), (1, rows)):
         assert torch.equal(native.linear(raw, qtype, (n, k), x[lo:hi]), got[lo:hi])
     assert native.linear(raw[: raw.numel() // 2], qtype, (n, k), x) is None
-    if qtype != QType.Q8_0:  # a K-quant row is whole super-blocks of 256
+    if qtype not in (QType.Q5_0, QType.Q8_0):  # a K-quant row is whole super-blocks of 256
         assert native.linear(raw, qtype, (n * 4, k // 4), x[:, : k // 4]) is None
 
 
@@ -104,10 +105,15 @@ def test_k_quant_linear_equals_dequantize_then_matmul(lib, monkeypatch, qtype: Q
         (QType.Q8_0, QType.Q4_K, QType.Q5_K),
         (QType.Q3_K, QType.Q3_K, QType.Q5_K),  # Q3_K_M
         (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS),
+        (QType.Q4_K, QType.Q4_K, QType.Q5_0),  # Gemma 4's Q4_K_M: 704-wide down rows
     ],
 )
 @pytest.mark.parametrize("rows", [1, 5, 8])
-def test_k_quant_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, qtypes, rows: int):
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_k_quant_expert_mlp_equals_dequantize_then_matmul(
+    lib, monkeypatch, qtypes, rows: int, act: str
+):
+    """SiLU-gated, and GELU-gated as Gemma 4's experts are."""
     monkeypatch.setattr(native, "_lib", lib)
     inner, hidden = 512, 256
     shapes = ((inner, hidden), (inner, hidden), (hidden, inner))
@@ -116,12 +122,15 @@ def test_k_quant_expert_mlp_equals_dequantize_then_matmul(lib, monkeypatch, qtyp
         for i, (q, shape) in enumerate(zip(qtypes, shapes, strict=True))
     )
     x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rows))
-    got = native.expert_mlp(parts, x)
+    got = native.expert_mlp(parts, x, act)
     g, u, d = (dequantize(raw, q, s) for raw, q, s in parts)
-    ref = F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+    fn = F.silu if act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+    ref = F.linear(fn(F.linear(x, g)) * F.linear(x, u), d)
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     for i in range(rows):
-        assert torch.equal(native.expert_mlp(parts, x[i : i + 1])[0], got[i])
+        assert torch.equal(native.expert_mlp(parts, x[i : i + 1], act)[0], got[i])
+    other = native.expert_mlp(parts, x, "gelu" if act == "silu" else "silu")
+    assert (other - got).abs().max().item() > 1e-4 * ref.abs().max().item()  # (it counts)
 
 
 def test_wide_expert_on_several_threads_and_on_one(lib, monkeypatch):
