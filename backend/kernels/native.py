@@ -1,11 +1,11 @@
 """Hand-written CPU kernels for products with Q4_0 / Q4_1 / Q5_0 / Q3_K / Q4_K / Q5_K /
-Q6_K / Q8_0 / IQ4_XS weights and for decoding attention, in C: ``q4_matmul.c`` (the products, one expert, a
-MoE layer's experts), ``attention.c`` (decoding attention and the attention block),
-``decode.c`` (a decoding group's walk through the layers over those two; ``decode.py``)
-and the headers they include (``simd.h``: vector helpers; ``kernels.h``: the exported
-functions, whose signatures are the ctypes argtypes set below). They are compiled
-together into one library with the system C compiler on first use and cached per
-machine. What they were measured to take is in
+Q6_K / Q8_0 / IQ4_XS weights and for decoding attention, in C: ``q4_matmul.c`` (the
+products, one expert, a MoE layer's experts), ``attention.c`` (decoding attention and
+the attention block), ``decode.c`` (a decoding group's walk through the layers over those
+two; ``decode.py``) and the headers they include (``simd.h``: vector helpers;
+``kernels.h``: the exported functions, whose signatures are the ctypes argtypes set
+below). They are compiled together into one library with the system C compiler on first
+use and cached per machine. What they were measured to take is in
 ``docs/performance.md``; this states what they compute and why they are built so.
 
 Decoding multiplies one to eight rows by each weight, so the time goes to widening the
@@ -263,8 +263,8 @@ def _weight_ok(raw: torch.Tensor, bb: int | None, n: int, k: int) -> bool:
 
 
 def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Tensor):
-    """x [M, k] @ W.T for W [n, k] = ``shape`` stored in ``raw``'s Q4_0, Q4_1 or Q8_0
-    blocks; None where the kernels are unavailable or do not take these arguments. Each row
+    """x [M, k] @ W.T for W [n, k] = ``shape`` stored in ``raw``'s blocks (a type of
+    ``EXPERT_TYPES``); None where the kernels are unavailable or do not take these arguments. Each row
     of x is reduced on its own: a row's result does not depend on its batch-mates."""
     lib = library()
     n, k = shape

@@ -1,6 +1,6 @@
 """Expert-compute backends, one chosen when the engine starts (``select``).
 
-- ``native``: hand-written CPU kernels on stored Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 bytes;
+- ``native``: hand-written CPU kernels on stored bytes (``native.EXPERT_TYPES``);
 - ``compiled``: Inductor graphs on the same bytes, where the kernels do not build;
 - ``grouped``: a job's experts decoded and multiplied together (accelerators);
 - ``eager``: dequantize, then torch's matmuls: every device and block type.
@@ -68,7 +68,7 @@ def why_not(
     (``ModelConfig.native_act``), else None."""
     if name == "eager":
         return None
-    if act is None:
+    if act is None or (not plain and act != "gelu"):
         return "the experts have biases and a clamped SwiGLU (gpt-oss): only eager computes them"
     if not plain and name != "native":
         return (

@@ -5,6 +5,7 @@ where the experts are dequantized then multiplied."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from backend.engine.experts.native import NativeExperts
 from backend.kernels import native
@@ -83,3 +84,15 @@ def test_rows_not_a_whole_super_block_are_refused() -> None:
     assert native.mlp_types(good) == 2 | 2 << 4 | 3 << 8
     assert native.mlp_types(good, "gelu") == 2 | 2 << 4 | 3 << 8 | 1 << 12
     assert native.mlp_types(good, "swiglu_oai") is None
+
+
+def test_experts_with_biases_never_reach_the_native_kernels() -> None:
+    """Not SiLU-plain and not GELU: gpt-oss's biased, clamped experts, whatever ``act``
+    a caller passes or leaves out."""
+    from backend.engine.experts import why_not
+
+    experts = [[]]
+    slots = torch.empty((1, 1), dtype=torch.uint8)
+    for act in ("silu", None):
+        assert "biases" in why_not("native", experts, slots, torch.float32, plain=False, act=act)
+    assert why_not("native", experts, slots, torch.float32, plain=False, act="gelu") is None
