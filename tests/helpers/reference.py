@@ -55,3 +55,10 @@ def transformers_logits(model, ids: list[int]) -> torch.Tensor:
     """transformers' logits at every position of ``ids``."""
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+def copy_gate_or_up(fused: torch.Tensor, base: str, t: torch.Tensor) -> None:
+    """GGUF ``ffn_gate_exps`` or ``ffn_up_exps`` [E, I, D] into transformers' fused
+    gate_up [E, 2I, D] (gate's rows first)."""
+    I = t.shape[1]
+    (fused[:, :I] if base == "ffn_gate_exps" else fused[:, I:]).copy_(t)

@@ -23,7 +23,12 @@ from backend.models.gguf_export import write_gguf
 from backend.models.loader import LoadedModel, load_model
 from backend.models.transformer import KVCache, SeqSlice
 from tests.helpers.engine_runs import ALL_POLICIES, check_policy_against_plain, plain_references
-from tests.helpers.reference import greedy_logits, transformers_logits, transformers_model
+from tests.helpers.reference import (
+    copy_gate_or_up,
+    greedy_logits,
+    transformers_logits,
+    transformers_model,
+)
 from tests.helpers.tiny import as_multimodal, make_tiny
 
 # Longer than the sliding window (6) several times over.
@@ -53,9 +58,7 @@ def _hf(folder: Path, weights_from: Path | None = None):
         if base in mapped:
             sd[p + mapped[base]].copy_(t)
         elif base in ("ffn_gate_exps", "ffn_up_exps"):
-            I = t.shape[1]
-            fused = sd[p + "experts.gate_up_proj"]
-            (fused[:, :I] if base == "ffn_gate_exps" else fused[:, I:]).copy_(t)
+            copy_gate_or_up(sd[p + "experts.gate_up_proj"], base, t)
         else:
             raise AssertionError(f"the oracle does not map {base}")
 

@@ -21,7 +21,12 @@ from backend.models import rope
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import load_model
 from backend.models.qwen3_5_moe import reorder_value_heads
-from tests.helpers.reference import greedy_logits, transformers_logits, transformers_model
+from tests.helpers.reference import (
+    copy_gate_or_up,
+    greedy_logits,
+    transformers_logits,
+    transformers_model,
+)
 from tests.helpers.tiny import as_multimodal, make_tiny
 
 # Longer than one chunk of the delta rule (64), so a prompt crosses a chunk's end.
@@ -60,9 +65,7 @@ def _hf(folder: Path, weights_from: Path | None = None):
         elif base == "ffn_down_exps":
             sd[p + "mlp.experts.down_proj"].copy_(t)
         elif base in ("ffn_gate_exps", "ffn_up_exps"):
-            I = t.shape[1]
-            fused = sd[p + "mlp.experts.gate_up_proj"]
-            (fused[:, :I] if base == "ffn_gate_exps" else fused[:, I:]).copy_(t)
+            copy_gate_or_up(sd[p + "mlp.experts.gate_up_proj"], base, t)
         else:
             raise AssertionError(f"the oracle does not map {base}")
 
