@@ -137,7 +137,7 @@ class Engine:
             working_set = (config.working_set_mib << 20) // expert_bytes
         self.working_set_bytes = working_set * expert_bytes
         self._expert_bytes = expert_bytes
-        self._dense_bytes = sum(t.numel() * t.element_size() for t in model.transformer.w.values())
+        self._dense_bytes = model.transformer.held_bytes()
         n_slots = (self.cache_budget_bytes - self.working_set_bytes) // slot_bytes
         if n_slots < model.config.top_k:
             self.store.close()

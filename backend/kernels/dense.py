@@ -1,12 +1,12 @@
-"""Compiled few-row kernels for dense weights (decoding, CPU, float32).
+"""Few-row kernels for dense weights (decoding, CPU, float32).
 
 CPU BLAS handles products of a few rows with a wide matrix badly, and the float32 copies
-of Q4 weights read 5-6x more bytes than their blocks. ``FusedWeight`` gives a dense weight
-a compiled kernel: Q4_0 / Q4_1 weights (attention projections, q/k/v stacked into one)
-run straight from their stored blocks with ``qmatmul``'s per-row graphs, other weights
-(the LM head) run on their float32 tensor in one pass for all rows. Both are traced once
+of quantized weights read 4-6x more bytes than their blocks. ``FusedWeight`` gives a dense
+weight a few-row kernel: weights stored in blocks (attention projections, q/k/v stacked
+into one; the LM head) run straight from those blocks on ``backend.kernels.native``'s
+kernels where they build, Q4_0 / Q4_1 otherwise on ``qmatmul``'s per-row graphs; other
+weights run on their float32 tensor in one pass for all rows. The graphs are traced once
 per row bucket and compiled by Inductor like the expert kernels (``qmatmul._Compiled``).
-Q4 weights run on ``backend.kernels.native``'s kernel instead where it builds.
 """
 
 from __future__ import annotations
@@ -25,25 +25,25 @@ from backend.kernels.quants import QType, block_shape
 log = logging.getLogger(__name__)
 
 
+def block_kernel(qtype: QType) -> bool:
+    """Whether a few-row kernel reads a dense weight of ``qtype`` from its stored blocks:
+    Q4_0 / Q4_1 always (the native kernel, else a compiled graph), the other types of
+    ``native.EXPERT_TYPES`` (Q8_0, the K-quants, IQ4_XS, Q5_0) where the native kernels
+    build."""
+    return qtype in FUSABLE or (qtype in native.EXPERT_TYPES and native.available())
+
+
 class FusedWeight:
-    """A dense weight [n, k] with compiled kernels for products with few rows (decoding).
+    """A dense weight [n, k] with kernels for products with few rows (decoding).
 
-    Q4_0 / Q4_1 weights are kept in their stored blocks beside the float32 copy the model
-    already has (4-6x fewer bytes to read per product). Other types use the float32 tensor
-    itself: CPU BLAS handles a few rows against a wide matrix badly, and the compiled graph
-    reads the matrix once for all rows. Weights of one type and width may be stacked along
-    n (q, k, v: one call). Measured costs: ``docs/performance.md``."""
+    A weight stored in a block type that a kernel reads (``block_kernel``) is kept in its
+    blocks: 4-6x fewer bytes to read per product than its float32 copy, which the model
+    then need not hold at all (``DenseWeights.keep_blocks``). Other weights use the
+    float32 tensor itself: CPU BLAS handles a few rows against a wide matrix badly, and the
+    compiled graph reads the matrix once for all rows. Weights of one type and width may
+    be stacked along n (q, k, v: one call). Measured costs: ``docs/performance.md``."""
 
-    def __init__(
-        self,
-        data: torch.Tensor,
-        qtype: QType,
-        shape: tuple[int, int],
-        q8: torch.Tensor | None = None,
-    ) -> None:
-        """``q8``: for a float32 weight stored as Q8_0 (most GGUF files' LM head), its
-        blocks, which ``native``'s kernel reads instead of the float copy where it builds:
-        about a quarter of the bytes (34 per 32 values instead of 128)."""
+    def __init__(self, data: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> None:
         n, k = shape
         if qtype == QType.F32:
             if data.dtype != torch.float32 or tuple(data.shape) != (n, k):
@@ -52,9 +52,10 @@ class FusedWeight:
                 )
             self.data = data.contiguous()  # the model's own float copy: no extra memory
         else:
-            if qtype not in FUSABLE or k % 32:
+            width, block_bytes = block_shape(qtype)
+            if not block_kernel(qtype) or k % width:
                 raise ValueError(f"no fused kernel for a {qtype.name} weight of shape {shape}")
-            if data.dtype != torch.uint8 or data.numel() != n * k // 32 * block_shape(qtype)[1]:
+            if data.dtype != torch.uint8 or data.numel() != n * k // width * block_bytes:
                 raise ValueError(
                     f"{data.numel()} bytes do not hold a {qtype.name} weight of shape {shape}"
                 )
@@ -63,12 +64,6 @@ class FusedWeight:
             # address: the scales' f16 view needs one. A stacked weight is already a copy.
             self.data = data if data._base is None and data.data_ptr() % 2 == 0 else data.clone()
         self.qtype, self.shape = qtype, (n, k)
-        if q8 is not None and (
-            qtype != QType.F32 or q8.dtype != torch.uint8 or q8.numel() != n * k // 32 * 34
-        ):
-            raise ValueError(f"{q8.numel()} bytes do not hold a Q8_0 weight of shape {shape}")
-        # Own memory, not the file's map (whose pages may be dropped).
-        self.q8 = None if q8 is None else q8.reshape(-1).clone()
 
     @classmethod
     def stacked(
@@ -80,7 +75,7 @@ class FusedWeight:
         if len(qtypes) != 1 or len(widths) != 1:
             return None
         qtype, k = qtypes.pop(), widths.pop()
-        if qtype not in FUSABLE or k % 32:
+        if qtype == QType.F32 or not block_kernel(qtype) or k % block_shape(qtype)[0]:
             return None
         n = sum(s[0] for _, _, s in parts)
         return cls(torch.cat([r.reshape(-1) for r, _, _ in parts]), qtype, (n, k))
@@ -131,14 +126,9 @@ class _Dense:
             or x.dtype != torch.float32
         ):
             return None
-        if w.q8 is not None:
-            out = native.linear(w.q8, QType.Q8_0, w.shape, x)  # where it builds
-            if out is not None:
-                return out
-        if w.qtype != QType.F32:
-            out = native.linear(w.data, w.qtype, w.shape, x)  # where it builds
-            if out is not None:
-                return out
+        out = native.linear(w.data, w.qtype, w.shape, x)  # where it builds
+        if out is not None or w.qtype not in _KERNELS:
+            return out
         key = (w.qtype, w.shape)
         if key in self.broken:
             return None
@@ -163,9 +153,9 @@ _DENSE = _Dense()
 
 
 def dense_linear(w: FusedWeight, x: torch.Tensor) -> torch.Tensor | None:
-    """x [M, k] @ W.T by ``w``'s compiled kernel, or None where the caller must use BLAS on
-    its float copy (more than ``DENSE_MAX_ROWS`` rows, not a float32 CPU tensor, no
-    compiler). Each row is reduced on its own, in chunks of ``MAX_ROWS``, so a row's result
+    """x [M, k] @ W.T by ``w``'s few-row kernel, or None where the caller must use BLAS on
+    the weight's float values (more than ``DENSE_MAX_ROWS`` rows, not a float32 CPU
+    tensor, no compiler). Each row is reduced on its own, in chunks of ``MAX_ROWS``, so a row's result
     does not depend on its batch-mates."""
     return _DENSE(w, x)
 

@@ -198,6 +198,8 @@ def build(
     lib.bevy_q4_moe.restype = i32
     lib.bevy_q8_linear.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
     lib.bevy_q8_linear.restype = i32
+    lib.bevy_f32_linear.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
+    lib.bevy_f32_linear.restype = i32
     f32 = ctypes.c_float
     lib.bevy_attn_decode.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr]
     lib.bevy_attn_decode.argtypes += [i32, i32, i32, i32, f32, i32, ptr, i32]
@@ -264,11 +266,20 @@ def _weight_ok(raw: torch.Tensor, bb: int | None, n: int, k: int) -> bool:
 
 def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Tensor):
     """x [M, k] @ W.T for W [n, k] = ``shape`` stored in ``raw``'s blocks (a type of
-    ``EXPERT_TYPES``); None where the kernels are unavailable or do not take these arguments. Each row
-    of x is reduced on its own: a row's result does not depend on its batch-mates."""
+    ``EXPERT_TYPES``), or ``raw`` itself for F32; None where the kernels are unavailable
+    or do not take these arguments. Each row of x is reduced on its own: a row's result
+    does not depend on its batch-mates."""
     lib = library()
     n, k = shape
-    if qtype in EXPERT_TYPES:
+    if qtype == QType.F32:
+        ok = (
+            raw.dtype == torch.float32
+            and raw.device.type == "cpu"
+            and raw.is_contiguous()
+            and tuple(raw.shape) == (n, k)
+        )
+        code = None
+    elif qtype in EXPERT_TYPES:
         width, bb, code = EXPERT_TYPES[qtype]
         ok = k % width == 0 and _weight_ok(raw, 0, n, k) and raw.numel() == n * k // width * bb
     else:
@@ -279,7 +290,11 @@ def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Ten
     if not _rows_ok(x, k):
         return None
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0] and qtype == QType.Q8_0:
+    if x.shape[0] and qtype == QType.F32:
+        lib.bevy_f32_linear(
+            raw.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads()
+        )
+    elif x.shape[0] and qtype == QType.Q8_0:
         lib.bevy_q8_linear(
             raw.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n, k, torch.get_num_threads()
         )

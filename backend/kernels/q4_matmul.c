@@ -694,3 +694,38 @@ int bevy_q8_linear(const uint8_t *w, const float *x, float *y, int M, int N, int
     }
     return 0;
 }
+
+/* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1 (y has row stride ldy), float32 W:
+   each a VW-lane dot product over K's whole vectors, reduced in acc_sum's order, then the
+   tail (K % VW values) added in order, so a row's result is the same in any batch. */
+static void f32_cols(const float *w, const float *x, int m, int k, float *y, int ldy, int n0,
+                     int n1) {
+    const int kv = k - k % VW;
+    for (int n = n0; n < n1; n++) {
+        const float *wn = w + (size_t)n * k;
+        _mm_prefetch((const char *)(wn + k), _MM_HINT_T0); /* the next row's first line */
+        for (int r = 0; r < m; r++) {
+            const float *xr = x + (size_t)r * k;
+            acc_t a = acc_zero();
+            for (int i = 0; i < kv; i += VW) a = v_fmadd(v_load(xr + i), v_load(wn + i), a);
+            float s = acc_sum(a);
+            for (int i = kv; i < k; i++) s += xr[i] * wn[i];
+            y[(size_t)r * ldy + n] = s;
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] @ W.T for a float32 W [N, K], on `threads` threads: a router, a
+   shared expert or a head kept in float32 (decoding rows; each row of W is read once for
+   ROWS rows of x). 0. */
+int bevy_f32_linear(const float *w, const float *x, float *y, int M, int N, int K, int threads) {
+    const int chunks = n_chunks(N);
+    for (int r0 = 0; r0 < M; r0 += ROWS) {
+        int m = M - r0 < ROWS ? M - r0 : ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int t = 0; t < chunks; t++)
+            f32_cols(w, x + (size_t)r0 * K, m, K, y + (size_t)r0 * N, N,
+                     (int)((long)N * t / chunks), (int)((long)N * (t + 1) / chunks));
+    }
+    return 0;
+}

@@ -14,10 +14,8 @@ from backend.errors import ModelLoadError
 from backend.formats.gguf import GGUFFile, is_gguf, read_gguf
 from backend.formats.safetensors import HFFolder, is_hf_folder, read_hf_folder
 from backend.formats.tensors import MappedFiles, TensorRef
-from backend.kernels import native
-from backend.kernels.dense import FusedWeight
-from backend.kernels.qmatmul import FUSABLE
-from backend.kernels.quants import QType
+from backend.kernels.dense import FusedWeight, block_kernel
+from backend.kernels.quants import QType, block_shape
 from backend.models import registry
 from backend.models.common import (
     Family,
@@ -29,7 +27,7 @@ from backend.models.common import (
 )
 from backend.models.config import ModelConfig
 from backend.models.transformer import Transformer
-from backend.models.weights import ExpertRef, ResidentExperts
+from backend.models.weights import DenseWeights, ExpertRef, ResidentExperts
 
 Progress = Callable[[int, int], None]
 
@@ -283,18 +281,34 @@ def load_model(
     info = inspect_model(path)
     device = torch.device(device)
     files = MappedFiles()
-    dense: dict[str, torch.Tensor] = {}
+    dense = DenseWeights()
     fix = registry.family(info.config.family).fix_tensor
     from_gguf = isinstance(info.source, GGUFFile)
+    as_stored: set[str] = set()  # the file's values, not changed by the family's fix
+    fused_kernels = device.type == "cpu" and dtype == torch.float32
     for i, (canonical, ref) in enumerate(info.dense_refs.items()):
-        dense[canonical] = files.load(ref, dtype, device)
-        if fix is not None:
-            dense[canonical] = fix(info.config, canonical, dense[canonical], from_gguf)
+        if fused_kernels and fix is None and len(ref.shape) == 2 and block_kernel(ref.qtype):
+            # Not decoded now: a kernel may read it from its blocks (``_fused_dense``).
+            dense.keep_blocks(canonical, files.bytes_of(ref), ref.qtype, ref.shape)
+            as_stored.add(canonical)
+        else:
+            t = files.load(ref, dtype, device)
+            dense[canonical] = t if fix is None else fix(info.config, canonical, t, from_gguf)
+            if dense[canonical] is t:
+                as_stored.add(canonical)
         if progress:
             progress(i + 1, len(info.dense_refs))
-    fused = (
-        _fused_dense(info, files, dense) if device.type == "cpu" and dtype == torch.float32 else {}
-    )
+    fused: dict[str, FusedWeight] = {}
+    if fused_kernels:
+        fused, blocks = _fused_dense(info, files, dense)
+        # Weights a kernel reads from their blocks are held in those blocks alone (the
+        # kernel's copy, not the file's map, whose pages may be dropped); the others as
+        # float32.
+        for name in dense:
+            if name in blocks and name in as_stored:
+                dense.keep_blocks(name, *blocks[name])
+            elif dense.in_blocks(name):
+                dense[name] = dense[name]
     cls = registry.family(info.config.family).transformer or Transformer
     transformer = cls(info.config, dense, info.experts, device, dtype, fused)
     tokenizer = _tokenizer(info.path, info.source)
@@ -312,37 +326,57 @@ def load_model(
 
 
 def _fused_dense(
-    info: ModelInfo, files: MappedFiles, dense: dict[str, torch.Tensor]
-) -> dict[str, FusedWeight]:
-    """The dense weights decoding reads most, with compiled few-row kernels (see
-    ``Transformer.fused``): each layer's q/k/v (stacked) and output projection where stored
-    as Q4_0 / Q4_1 (kept in those blocks too), and the LM head (its float copy, and its
-    blocks where stored as Q8_0); and, on their float copies, the products decoding rows
-    would otherwise take to BLAS outside the native attention block: routers, shared
-    experts, Gated DeltaNet projections, Qwen3.5's attention."""
+    info: ModelInfo, files: MappedFiles, dense: DenseWeights
+) -> tuple[dict[str, FusedWeight], dict[str, tuple[torch.Tensor, QType, tuple[int, int]]]]:
+    """The dense weights decoding reads, with few-row kernels (see ``Transformer.fused``):
+    each layer's q/k/v (stacked where they share a type) and output projection, the LM
+    head, and the products decoding rows would otherwise take to BLAS outside the native
+    attention block (routers, shared experts, Gated DeltaNet projections, Qwen3.5's
+    attention). Each is held in its stored blocks where a kernel reads them
+    (``block_kernel``), else as its float copy. Also returns, for each weight held so, the
+    slice of those blocks that is its own, by name (what ``DenseWeights.keep_blocks``
+    takes)."""
     refs = info.dense_refs
+    blocks: dict[str, tuple[torch.Tensor, QType, tuple[int, int]]] = {}
 
     def part(name: str) -> tuple[torch.Tensor, QType, tuple[int, int]]:
         ref = refs[name]
         return files.bytes_of(ref), ref.qtype, (ref.shape[0], ref.shape[1])
 
+    def stack(key: str, names: list[str]) -> bool:
+        """``names`` stacked from their blocks as ``out[key]``, if a kernel reads them."""
+        parts = [part(n) for n in names]
+        fw = FusedWeight.stacked(parts)
+        if fw is None:
+            return False
+        out[key] = fw
+        at = 0
+        for n, (raw, qtype, shape) in zip(names, parts, strict=True):
+            blocks[n] = (fw.data[at : at + raw.numel()], qtype, shape)
+            at += raw.numel()
+        return True
+
     def linear_part(name: str) -> tuple[torch.Tensor, QType, tuple[int, int]] | None:
         """``part`` of a Gated DeltaNet weight, its value heads as ``fix_tensor`` puts
         them (in a GGUF they are tiled)."""
         raw, qtype, shape = part(name)
-        if isinstance(info.source, GGUFFile) and qtype in FUSABLE:
+        if isinstance(info.source, GGUFFile) and qtype != QType.F32:
+            if block_shape(qtype)[0] != 32:  # (its columns move in blocks of 32)
+                return None
             from backend.models.qwen3_5_moe import untiled_blocks
 
             raw = untiled_blocks(info.config, name.split(".")[2], raw, shape[0])
         return None if raw is None else (raw, qtype, shape)
 
-    def rows(name: str) -> None:
-        """``name`` through the float32 row kernel where nothing faster covers it: a
+    def rows(name: str, stored: bool = True) -> None:
+        """``name`` through a row kernel where nothing faster covers it (its blocks' if
+        ``stored`` order is what the model computes with, else the float32 one): a
         decoding row's product is then the same bits in any batch (BLAS rounds a few rows
         by how many there are), so the engine's tokens are plain generation's."""
+        if name in out or len(refs[name].shape) != 2 or (stored and stack(name, [name])):
+            return
         t = dense[name]
-        if name not in out and t.dim() == 2:
-            out[name] = FusedWeight(t, QType.F32, (t.shape[0], t.shape[1]))
+        out[name] = FusedWeight(t, QType.F32, (t.shape[0], t.shape[1]))
 
     c = info.config
     out: dict[str, FusedWeight] = {}
@@ -363,41 +397,29 @@ def _fused_dense(
             for n in ("attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha"):
                 if n in ("attn_qkv", "attn_gate") and p + "ssm_in" in out:
                     continue
-                rows(p + n)
+                rows(p + n, stored=False)  # (a GGUF's value heads are tiled)
             continue
         if c.family == "gemma4":  # its own attention and MLP: the ops take every row
             for name in (p + n for n in GEMMA4_LINEAR):
-                if name not in dense:
-                    continue
-                q4 = FusedWeight.stacked([part(name)]) if refs[name].qtype in FUSABLE else None
-                if q4 is not None:  # its Q4 blocks, where stored so
-                    out[name] = q4
-                else:
+                if name in dense:
                     rows(name)
             continue
         names = [p + n for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
-        if any(refs[n].qtype in FUSABLE for n in names):
-            qkv = FusedWeight.stacked([part(n) for n in names[:3]])
-            if qkv is not None:
-                out[p + "attn_qkv"] = qkv
-            o = FusedWeight.stacked([part(p + "attn_output")])
-            if o is not None:
-                out[p + "attn_output"] = o
-        if c.attn_gate:  # (no native block for Qwen3.5's attention: the ops take every row)
-            if p + "attn_qkv" not in out:
-                for n in names[:3]:
+        stack(p + "attn_output", names[3:])
+        if not stack(p + "attn_qkv", names[:3]):
+            # Of different types (a Q4_K_M file's Q6_K v): each from its own blocks.
+            for n in names[:3]:
+                if block_kernel(refs[n].qtype) or c.attn_gate:
                     rows(n)
+        if c.attn_gate:  # (no native block for Qwen3.5's attention: the ops take every row)
             rows(p + "attn_output")
     name = "token_embd" if info.config.tie_embeddings else "output"
-    head = dense[name]
-    ref = refs.get(name)
-    # Its Q8_0 blocks too, where the native kernel that reads them builds (34 bytes per 32
-    # values: ~30 MB for SmolLM2's [49152, 576] head).
-    q8 = None
-    if ref is not None and ref.qtype == QType.Q8_0 and native.available():
-        q8 = files.bytes_of(ref)
-    out["head"] = FusedWeight(head, QType.F32, (head.shape[0], head.shape[1]), q8)
-    return out
+    # From its blocks where a kernel reads them (Q8_0 in most GGUF files: 34 bytes per 32
+    # values, ~30 MB for SmolLM2's [49152, 576] head, against 113 MB of float32).
+    if not stack("head", [name]):
+        head = dense[name]
+        out["head"] = FusedWeight(head, QType.F32, (head.shape[0], head.shape[1]))
+    return out, blocks
 
 
 def _tokenizer(path: Path, src: GGUFFile | HFFolder) -> object | None:

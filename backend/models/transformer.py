@@ -22,7 +22,7 @@ from backend.kernels.dense import FusedWeight, dense_linear, rowwise, warm_up_de
 from backend.models import rope
 from backend.models.config import ModelConfig
 from backend.models.linear_attention import linear_attention
-from backend.models.weights import ExpertRef, ExpertWeights, StoredExpert
+from backend.models.weights import DenseWeights, ExpertRef, ExpertWeights, StoredExpert
 
 GetExpert = Callable[[int, int], ExpertWeights | StoredExpert]
 
@@ -167,7 +167,8 @@ class Transformer:
         fused: dict[str, FusedWeight] | None = None,
     ) -> None:
         self.config = config
-        self.w = dense
+        # (the loader's ``DenseWeights`` holds some weights in their blocks alone)
+        self.w = dense if isinstance(dense, DenseWeights) else DenseWeights(dense)
         # Dense weights with compiled kernels for products with few rows (decoding; see
         # ``FusedWeight``): "blk.N.attn_qkv" (q, k, v stacked), "blk.N.attn_output", "head".
         self.fused: dict[str, FusedWeight] = dict(fused or {})
@@ -210,7 +211,19 @@ class Transformer:
         return all(warm_up_dense(w) for w in self.fused.values())
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.w["token_embd"][ids]  # [T, D]
+        w = self.w
+        if isinstance(w, DenseWeights):  # (tests may swap in a dict)
+            return w.rows("token_embd", ids)  # [T, D]
+        return w["token_embd"][ids]
+
+    def held_bytes(self) -> int:
+        """Bytes of the dense weights as held: tensors, blocks, kernels' copies (each
+        storage once)."""
+        w = self.w
+        held = w.held() if isinstance(w, DenseWeights) else list(w.values())
+        held += [f.data for f in self.fused.values()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        return sum(storages.values())
 
     def rope_table(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [P, Dh/2] of positions 0..P-1, P >= ``end``, grown by doubling.
@@ -698,11 +711,11 @@ class Transformer:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, self.w["output_norm"], self.config.rms_eps)
-        head = self.w["token_embd"] if self.config.tie_embeddings else self.w["output"]
         n = x.shape[0]
         y = self._fused_linear("head", x)
         if y is not None:
             return y.float()
+        head = self.w["token_embd"] if self.config.tie_embeddings else self.w["output"]
         if x.device.type == "cpu" and n > 1 and n % 4:
             # Without the compiled kernel (more rows than it takes, or no compiler): the
             # CPU BLAS is slower for some row counts (2, 3, 7) against a wide matrix than

@@ -7,6 +7,7 @@ each family maps its Hugging Face names onto them.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,68 @@ class ExpertRef:
     @property
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+class DenseWeights(MutableMapping[str, torch.Tensor]):
+    """The dense tensors by canonical name. A weight that a few-row kernel already reads
+    from its stored blocks (``FusedWeight``) may be held in those blocks alone
+    (``keep_blocks``): reading it (a prompt's BLAS product, a fallback) decodes a float32
+    copy for that call, the values the loader would otherwise have kept. That spares the
+    float copy: 4 bytes a value where Q4_1 holds 0.625 and Q8_0 1.06 (the demo's embedding
+    and attention, 0.2 GiB). Decoding reads none of them this way: tests count it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        # name -> a tensor, or (blocks, qtype, shape) of a weight held in its blocks
+        self._d: dict[str, torch.Tensor | tuple] = dict(tensors or {})
+        self.decoded = 0  # weights decoded from blocks so far (a counter for tests)
+
+    def keep_blocks(self, name: str, raw: torch.Tensor, qtype, shape: tuple[int, int]) -> None:
+        """Hold ``name`` as its blocks ``raw`` (which must decode to the tensor held now)."""
+        self._d[name] = (raw, qtype, tuple(shape))
+
+    def in_blocks(self, name: str) -> bool:
+        return isinstance(self._d.get(name), tuple)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        v = self._d[name]
+        if not isinstance(v, tuple):
+            return v
+        from backend.kernels.quants import dequantize
+
+        self.decoded += 1
+        raw, qtype, shape = v
+        return dequantize(raw, qtype, shape)
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of a 2-D weight (an embedding lookup): of one held in blocks only
+        those rows are decoded (each row is whole blocks, decoded as in the whole)."""
+        v = self._d[name]
+        if not isinstance(v, tuple):
+            return v[ids]
+        from backend.kernels.quants import dequantize
+
+        raw, qtype, (n, k) = v
+        picked = raw.view(n, -1)[ids.reshape(-1)]
+        return dequantize(picked, qtype, (picked.shape[0], k)).view(*ids.shape, k)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._d[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._d[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._d
+
+    def held(self) -> list[torch.Tensor]:
+        """What it holds: tensors, and the blocks of weights held in blocks."""
+        return [v[0] if isinstance(v, tuple) else v for v in self._d.values()]
 
 
 Layout = tuple[int, int, int]  # byte offsets of gate, up, down inside an expert's buffer

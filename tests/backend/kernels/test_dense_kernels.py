@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from backend.kernels import dense as dense_kernels
 from backend.kernels import native, qmatmul
-from backend.kernels.quants import QType, dequantize
+from backend.kernels.quants import QType, block_shape, dequantize
 from backend.models import transformer as transformer_mod
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import load_model
@@ -53,50 +53,60 @@ def test_stacked_weights_are_one_product() -> None:
     got = dense_kernels.dense_linear(w, x)
     ref = torch.cat([F.linear(x, dequantize(raw, q, s)) for raw, q, s in parts], -1)
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    # Types or widths that differ, or a type without a kernel: no stacked weight.
+    # Types or widths that differ, or a type without a block kernel: no stacked weight.
     mixed = [parts[0], (random_blocks(QType.Q4_0, 32, HIDDEN, seed=1), QType.Q4_0, (32, HIDDEN))]
     assert dense_kernels.FusedWeight.stacked(mixed) is None
-    q8 = [(torch.zeros(32 * HIDDEN // 32 * 34, dtype=torch.uint8), QType.Q8_0, (32, HIDDEN))]
-    assert dense_kernels.FusedWeight.stacked(q8) is None
+    q2 = [(random_blocks(QType.Q2_K, 32, 256, seed=1), QType.Q2_K, (32, 256))]
+    assert dense_kernels.FusedWeight.stacked(q2) is None
+    floats = [(torch.randn(32, HIDDEN), QType.F32, (32, HIDDEN))]
+    assert dense_kernels.FusedWeight.stacked(floats) is None
     with pytest.raises(ValueError):
         dense_kernels.FusedWeight(parts[0][0][:-1], QType.Q4_1, (64, HIDDEN))
 
 
-def test_q8_head_reads_its_blocks() -> None:
-    """A float weight given its Q8_0 blocks (a GGUF LM head) is multiplied from the blocks
-    by the native kernel: within 1e-5 of float32 BLAS on the decoded weight, each row the
-    same alone as in any batch; without the native kernels, the compiled graph on the float
-    weight does it. Bytes of the wrong size are refused."""
-    n, k = 1001, HIDDEN
-    raw = random_blocks(QType.Q8_0, n, k, seed=8)
-    dense = dequantize(raw, QType.Q8_0, (n, k))
-    w = dense_kernels.FusedWeight(dense, QType.F32, (n, k), q8=raw)
+NATIVE_BLOCK_TYPES = [QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.Q5_K, QType.Q3_K, QType.IQ4_XS]
+
+
+@pytest.mark.parametrize("qtype", NATIVE_BLOCK_TYPES, ids=lambda q: q.name)
+def test_weights_of_the_native_types_are_read_from_their_blocks(qtype: QType) -> None:
+    """A weight stored as Q8_0 (a GGUF LM head) or a K-quant (a Q4_K_M file's attention)
+    is multiplied from its blocks by the native kernel: within 1e-5 of float32 BLAS on the
+    decoded weight, each row the same alone as in any batch. Without the native kernels
+    there is no such weight (the model keeps a float copy). Bytes of the wrong size are
+    refused."""
+    n, k = 1001, 512
+    raw = random_blocks(qtype, n, k, seed=8)
+    if not native.available():
+        with pytest.raises(ValueError):
+            dense_kernels.FusedWeight(raw, qtype, (n, k))
+        return
+    w = dense_kernels.FusedWeight(raw, qtype, (n, k))
     x = torch.randn(21, k, generator=torch.Generator().manual_seed(8))
     got = dense_kernels.dense_linear(w, x)
     assert got is not None
-    if native.available():
-        assert torch.equal(got, native.linear(raw, QType.Q8_0, (n, k), x))
-    ref = F.linear(x, dense)
+    assert torch.equal(got, native.linear(raw, qtype, (n, k), x))
+    ref = F.linear(x, dequantize(raw, qtype, (n, k)))
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     for lo, hi in ((0, 1), (3, 4), (20, 21), (5, 8), (9, 20)):
         assert torch.equal(dense_kernels.dense_linear(w, x[lo:hi]), got[lo:hi])
     with pytest.raises(ValueError):
-        dense_kernels.FusedWeight(dense, QType.F32, (n, k), q8=raw[:-34])
+        dense_kernels.FusedWeight(raw[: -block_shape(qtype)[1]], qtype, (n, k))
 
 
 def test_gguf_head_stored_as_q8_keeps_its_blocks(smollm2_gguf, monkeypatch) -> None:
     """SmolLM2's GGUF stores its (tied) head as Q8_0: with the native kernels, the model
-    keeps those blocks and decodes from them; either way its logits stay within 1e-4 of
-    float32 BLAS on the decoded head."""
+    keeps those blocks alone (no float copy) and decodes from them; either way its logits
+    stay within 1e-4 of float32 BLAS on the decoded head."""
     calls = spy(monkeypatch, native, "linear")
     model = load_model(smollm2_gguf)
     t = model.transformer
     head = t.fused["head"]
     if native.available():
-        assert head.q8 is not None
-        assert head.q8.numel() == head.shape[0] * head.shape[1] // 32 * 34
+        assert head.qtype == QType.Q8_0
+        assert head.data.numel() == head.shape[0] * head.shape[1] // 32 * 34
+        assert t.w.in_blocks("token_embd")
     else:
-        assert head.q8 is None
+        assert head.qtype == QType.F32 and not t.w.in_blocks("token_embd")
     h = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(3))
     x = transformer_mod.rms_norm(h, t.w["output_norm"], t.config.rms_eps)
     ref = F.linear(x, t.w["token_embd"])
@@ -140,9 +150,15 @@ def test_other_dense_cases_are_left_to_blas(monkeypatch) -> None:
     # A kernel that fails leaves its own kind of weight to BLAS, not the others.
     other = dense_kernels.FusedWeight(torch.randn(96, HIDDEN), QType.F32, (96, HIDDEN))
     monkeypatch.setitem(dense_kernels._KERNELS, QType.F32, None)  # calling None raises
+    if native.available():  # float32 weights go to the native kernel: no graph is called
+        assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is not None
+        assert not dense.broken
+        return
     assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
     assert (QType.F32, (96, HIDDEN)) in dense.broken
-    monkeypatch.undo()
+    monkeypatch.undo()  # (the graph back; the native kernels too, so off again)
+    monkeypatch.setattr(native, "_tried", True)
+    monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(dense_kernels, "_DENSE", dense)
     assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN)) is not None
     assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
@@ -192,3 +208,18 @@ def test_rowwise_gives_a_row_the_same_bits_in_any_batch(fn) -> None:
     assert torch.equal(whole, fn(x.double()).float())
     for rows in (slice(0, 1), slice(5, 12), slice(ROWWISE_BLOCK - 3, ROWWISE_BLOCK + 40)):
         assert torch.equal(rowwise(fn, x[rows]), whole[rows])
+
+
+@pytest.mark.parametrize("k", [40, 100, 577])
+def test_float_weights_of_any_width(k: int) -> None:
+    """A float32 weight whose width is not a multiple of the vector width (the kernel's
+    tail): within 1e-5 of BLAS, each row the same alone as in the batch."""
+    g = torch.Generator().manual_seed(k)
+    w = dense_kernels.FusedWeight(torch.randn(33, k, generator=g), QType.F32, (33, k))
+    x = torch.randn(11, k, generator=g)
+    got = dense_kernels.dense_linear(w, x)
+    assert got is not None
+    ref = F.linear(x, w.data)
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for i in range(11):
+        assert torch.equal(dense_kernels.dense_linear(w, x[i : i + 1])[0], got[i])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from backend.kernels import fastquant
+from backend.kernels import fastquant, native
 from backend.kernels.quants import _DECODERS, QType, block_shape, dequantize
 
 
@@ -21,6 +21,22 @@ def _blocks(qtype: QType, n: int, seed: int) -> torch.Tensor:
     return raw
 
 
+@pytest.fixture
+def no_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native kernels off, as on a machine where they do not build (where they do,
+    nothing is compiled: see the next test)."""
+    monkeypatch.setattr(native, "_tried", True)
+    monkeypatch.setattr(native, "_lib", None)
+
+
+def test_nothing_is_compiled_where_the_native_kernels_build() -> None:
+    if not native.available():
+        pytest.skip("no native kernels here")
+    blocks = _blocks(QType.Q4_1, fastquant.MIN_BLOCKS, seed=3)
+    assert fastquant._Compiled().decode(QType.Q4_1, blocks) is None
+
+
+@pytest.mark.usefixtures("no_native")
 @pytest.mark.parametrize("qtype", sorted(fastquant.KERNELS, key=int))
 def test_compiled_equals_eager_and_reference(qtype: QType) -> None:
     blocks = _blocks(qtype, fastquant.MIN_BLOCKS, seed=int(qtype))
@@ -38,6 +54,7 @@ def test_small_tensors_stay_eager() -> None:
     assert fastquant.decode(QType.Q4_1, _blocks(QType.Q4_1, 64, seed=1)) is None
 
 
+@pytest.mark.usefixtures("no_native")
 def test_a_failed_compile_falls_back_to_eager_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(_blocks: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("no compiler")

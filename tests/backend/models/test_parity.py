@@ -94,13 +94,14 @@ def test_gguf_quantized_matches_oracle_dequantizer(
     _, ours = greedy_logits(model, PROMPT, steps=8)
     ran = {(w.qtype, out is not None) for (w, _), out in calls}
     whole = any(out is not None for _, out in blocks)
-    # Decoding went through the compiled head, and for Q4_0 attention through the native
-    # attention block (families without q/k norms or biases, where the kernels build) or
-    # the Q4 kernels of its projections.
+    # Decoding went through the head's kernel, and for Q4_0 attention (Q8_0 too where the
+    # native kernels build) through the native attention block (families without q/k
+    # norms or biases, where the kernels build) or the kernels of its projections' blocks.
+    read_from_blocks = {QType.Q4_0} | ({QType.Q8_0} if native.available() else set())
     assert (QType.F32, True) in ran
-    assert ((QType.Q4_0, True) in ran or whole) == (qtype == QType.Q4_0)
+    assert ((qtype, True) in ran or whole) == (qtype in read_from_blocks)
     c = model.config
-    if qtype == QType.Q4_0 and native.available() and not (c.qk_norm or c.attn_bias):
+    if qtype in read_from_blocks and native.available() and not (c.qk_norm or c.attn_bias):
         assert whole
     elif c.qk_norm or c.attn_bias:
         assert not whole  # the block has no q/k norms or biases: the ops below run them

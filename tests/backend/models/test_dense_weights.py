@@ -1,0 +1,110 @@
+"""Dense weights that a kernel reads from their stored blocks are held in those blocks
+alone (``DenseWeights``): reading one gives the float32 values the loader held before,
+and decoding never needs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.config import EngineConfig, SamplingParams
+from backend.engine.loop import Engine
+from backend.formats.tensors import MappedFiles
+from backend.kernels import native
+from backend.kernels.quants import QType, dequantize
+from backend.messages import Finished, Submit, TokenEvent
+from backend.models.gguf_export import write_gguf
+from backend.models.loader import load_model
+from backend.models.weights import DenseWeights
+from tests.helpers.engine_runs import drain
+from tests.helpers.qblocks import random_blocks
+from tests.helpers.reference import greedy_logits
+from tests.helpers.tiny import make_tiny
+
+ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("dense")
+    model = load_model(make_tiny("mixtral", root / "mixtral"))
+    return {
+        q.name: write_gguf(model, root / f"m.{q.name}.gguf", q) for q in (QType.Q4_1, QType.Q8_0)
+    }
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0], ids=["q4_1", "q8_0"])
+def test_attention_is_held_in_its_blocks_with_the_values_it_had(tiny_files, qtype) -> None:
+    """Each layer's q, k, v and output projections are held as blocks where a kernel
+    reads them (Q4_1 always, Q8_0 where the native kernels build), and read back bit for
+    bit as the float32 copy the loader kept before; norms stay tensors; what is held is
+    smaller than the float copies."""
+    path = tiny_files[qtype.name]
+    model = load_model(path)
+    t, refs = model.transformer, model.dense_refs
+    in_blocks = qtype == QType.Q4_1 or native.available()
+    files = MappedFiles()
+    floats = 0
+    for layer in range(model.config.n_layers):
+        for n in ATTENTION:
+            name = f"blk.{layer}.{n}"
+            assert t.w.in_blocks(name) == in_blocks, name
+            before = files.load(refs[name])
+            assert torch.equal(t.w[name], before), name
+            floats += before.numel() * 4
+        assert not t.w.in_blocks(f"blk.{layer}.attn_norm")
+    if in_blocks:
+        assert t.fused["blk.0.attn_qkv"].qtype == qtype
+        others = sum(v.numel() * v.element_size() for k, v in t.w.items() if "attn_" not in k)
+        assert t.held_bytes() < others + floats / 3
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_1, QType.Q4_K], ids=lambda q: q.name)
+def test_rows_decode_as_the_whole_weight(qtype) -> None:
+    """An embedding lookup decodes only the rows asked for, the same bits as those rows
+    of the whole weight, for ids of any shape."""
+    n, k = 37, 256
+    raw = random_blocks(qtype, n, k, seed=4)
+    w = DenseWeights({"norm": torch.ones(k)})
+    w.keep_blocks("token_embd", raw, qtype, (n, k))
+    whole = dequantize(raw, qtype, (n, k))
+    assert torch.equal(w["token_embd"], whole)
+    for ids in (torch.tensor([0, 36, 5, 5]), torch.tensor([[3, 1], [2, 0]]), torch.tensor([9])):
+        assert torch.equal(w.rows("token_embd", ids), whole[ids])
+    assert w.decoded == 1  # (rows are not counted: they are what a lookup needs)
+    assert set(w) == {"norm", "token_embd"} and len(w) == 2
+    w["token_embd"] = whole
+    assert not w.in_blocks("token_embd") and w["token_embd"] is whole
+
+
+def test_decoding_reads_no_weight_from_its_blocks(tiny_files) -> None:
+    """A prompt decodes the weights its BLAS products need; decoding steps decode none,
+    in plain generation as in the engine: more steps, no more decoding."""
+    model = load_model(tiny_files["Q4_1"])
+    w = model.transformer.w
+    counts = []
+    for steps in (1, 8):
+        before = w.decoded
+        greedy_logits(model, [3, 17, 42, 5], steps=steps)
+        counts.append(w.decoded - before)
+    assert counts[0] > 0 and counts[0] == counts[1]
+    # The engine: once both prompts have their first token, no more decoding.
+    eng = Engine(model, EngineConfig(policy="bevy", cache="1.0", storage="host"))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i, p in enumerate(([3, 17, 42, 5], [9, 8, 7])):
+            eng.submit(Submit(f"r{i}", params, prompt_ids=p))
+        started: set[str] = set()
+        for _ in range(1000):
+            if len(started) == 2:
+                break
+            eng.step()
+            started |= {e.request_id for e in drain(eng) if isinstance(e, TokenEvent)}
+        assert len(started) == 2
+        before = w.decoded
+        eng.run_until_idle(120)
+        finished = [e for e in drain(eng) if isinstance(e, Finished)]
+        assert len(finished) == 2 and all(len(f.token_ids) == 12 for f in finished)
+        assert w.decoded == before
+    finally:
+        eng.close()
