@@ -371,7 +371,11 @@ class Transformer:
             if sinks is None:
                 # (SDPA's own default where it is the scale: the same bits as ever)
                 own = None if scale == Dh**-0.5 else scale
-                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=own)
+                # As [1, G, rows, Dh]: 4-D inputs take the CPU's flash kernel (blocks of
+                # queries and keys, never the whole [rows, S] scores and their masks).
+                o = F.scaled_dot_product_attention(
+                    qq[None], kk[None], vv[None], attn_mask=mask, scale=own
+                )[0]
             else:
                 o = self._sink_attention(qq, kk, vv, mask, sinks, s.n, scale)
             out[row : row + s.n] = o.view(G, rep, s.n, Dh).permute(2, 0, 1, 3).reshape(s.n, H, Dh)
