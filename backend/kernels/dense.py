@@ -101,9 +101,9 @@ _KERNELS = {
 }
 
 
-# Dense products with up to this many rows (decoding batches) run through the kernels in
-# chunks of ``MAX_ROWS``: a row's result is then the same in any such batch. More rows
-# (prefill) go to BLAS, which is faster there.
+# Without the native kernels, dense products with up to this many rows (decoding batches)
+# run through the compiled graphs in chunks of ``MAX_ROWS``: a row's result is then the
+# same in any such batch. More rows (prefill) go to BLAS, which is faster there.
 DENSE_MAX_ROWS = 64
 
 
@@ -118,17 +118,18 @@ class _Dense:
 
     def __call__(self, w: FusedWeight, x: torch.Tensor) -> torch.Tensor | None:
         if (
-            self.failed
-            or x.dim() != 2
-            or x.shape[0] > DENSE_MAX_ROWS
+            x.dim() != 2
             or x.shape[1] != w.shape[1]
             or x.device.type != "cpu"
             or x.dtype != torch.float32
         ):
             return None
-        out = native.linear(w.data, w.qtype, w.shape, x)  # where it builds
+        # The native kernels (where they build) take any number of rows, each alone.
+        out = native.linear(w.data, w.qtype, w.shape, x)
         if out is not None or w.qtype not in _KERNELS:
             return out
+        if self.failed or x.shape[0] > DENSE_MAX_ROWS:
+            return None
         key = (w.qtype, w.shape)
         if key in self.broken:
             return None
@@ -153,10 +154,12 @@ _DENSE = _Dense()
 
 
 def dense_linear(w: FusedWeight, x: torch.Tensor) -> torch.Tensor | None:
-    """x [M, k] @ W.T by ``w``'s few-row kernel, or None where the caller must use BLAS on
-    the weight's float values (more than ``DENSE_MAX_ROWS`` rows, not a float32 CPU
-    tensor, no compiler). Each row is reduced on its own, in chunks of ``MAX_ROWS``, so a row's result
-    does not depend on its batch-mates."""
+    """x [M, k] @ W.T by ``w``'s few-row kernel (the native kernels, any number of rows;
+    else the compiled graphs, up to ``DENSE_MAX_ROWS``), or None where the caller must use
+    BLAS on the weight's float values (not a float32 CPU tensor, too many rows for the
+    graphs, no compiler). Each row is reduced on its own, so a row's result does not
+    depend on its batch-mates. (A prompt's rows go to BLAS, ``Transformer.linear``: past
+    about 128 rows it beats the native kernels even counting the weight's decoding.)"""
     return _DENSE(w, x)
 
 

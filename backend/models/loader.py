@@ -14,6 +14,7 @@ from backend.errors import ModelLoadError
 from backend.formats.gguf import GGUFFile, is_gguf, read_gguf
 from backend.formats.safetensors import HFFolder, is_hf_folder, read_hf_folder
 from backend.formats.tensors import MappedFiles, TensorRef
+from backend.kernels import native
 from backend.kernels.dense import FusedWeight, block_kernel
 from backend.kernels.quants import QType, block_shape
 from backend.models import registry
@@ -286,8 +287,11 @@ def load_model(
     from_gguf = isinstance(info.source, GGUFFile)
     as_stored: set[str] = set()  # the file's values, not changed by the family's fix
     fused_kernels = device.type == "cpu" and dtype == torch.float32
+    # Weights in blocks alone only where the native kernels read them for every row count
+    # (the compiled graphs take decoding rows only, and may fail to build).
+    hold = fused_kernels and native.available()
     for i, (canonical, ref) in enumerate(info.dense_refs.items()):
-        if fused_kernels and fix is None and len(ref.shape) == 2 and block_kernel(ref.qtype):
+        if hold and fix is None and len(ref.shape) == 2 and block_kernel(ref.qtype):
             # Not decoded now: a kernel may read it from its blocks (``_fused_dense``).
             dense.keep_blocks(canonical, files.bytes_of(ref), ref.qtype, ref.shape)
             as_stored.add(canonical)
@@ -305,8 +309,12 @@ def load_model(
         # kernel's copy, not the file's map, whose pages may be dropped); the others as
         # float32.
         for name in dense:
-            if name in blocks and name in as_stored:
+            if hold and name in blocks and name in as_stored:
                 dense.keep_blocks(name, *blocks[name])
+            elif name == "token_embd" and dense.in_blocks(name):
+                # An untied embedding: only looked up by rows, which decode alone.
+                raw, qtype, shape = dense.blocks(name)
+                dense.keep_blocks(name, raw.clone(), qtype, shape)
             elif dense.in_blocks(name):
                 dense[name] = dense[name]
     cls = registry.family(info.config.family).transformer or Transformer
@@ -370,9 +378,11 @@ def _fused_dense(
 
     def rows(name: str, stored: bool = True) -> None:
         """``name`` through a row kernel where nothing faster covers it (its blocks' if
-        ``stored`` order is what the model computes with, else the float32 one): a
-        decoding row's product is then the same bits in any batch (BLAS rounds a few rows
-        by how many there are), so the engine's tokens are plain generation's."""
+        ``stored`` and a kernel reads them, else the float32 one; not ``stored`` where the
+        model computes with other values, as a GGUF's tiled value heads, or needs its float
+        copy anyway, as a router): a decoding row's product is then the same bits in any
+        batch (BLAS rounds a few rows by how many there are), so the engine's tokens are
+        plain generation's."""
         if name in out or len(refs[name].shape) != 2 or (stored and stack(name, [name])):
             return
         t = dense[name]
@@ -383,7 +393,10 @@ def _fused_dense(
     for layer in range(c.n_layers):
         p = f"blk.{layer}."
         if c.sparse_layers[layer]:
-            for n in ("ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
+            # (the router as float32 always: the native attention block takes it so)
+            if p + "ffn_gate_inp" in dense:
+                rows(p + "ffn_gate_inp", stored=False)
+            for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"):
                 if p + n in dense:
                     rows(p + n)
         if c.linear_layers[layer]:

@@ -372,7 +372,8 @@ class Transformer:
                 # (SDPA's own default where it is the scale: the same bits as ever)
                 own = None if scale == Dh**-0.5 else scale
                 # As [1, G, rows, Dh]: 4-D inputs take the CPU's flash kernel (blocks of
-                # queries and keys, never the whole [rows, S] scores and their masks).
+                # queries and keys: no float [rows, S] scores or mask; the boolean mask
+                # stays).
                 o = F.scaled_dot_product_attention(
                     qq[None], kk[None], vv[None], attn_mask=mask, scale=own
                 )[0]

@@ -57,6 +57,13 @@ class DenseWeights(MutableMapping[str, torch.Tensor]):
     def in_blocks(self, name: str) -> bool:
         return isinstance(self._d.get(name), tuple)
 
+    def blocks(self, name: str) -> tuple:
+        """(blocks, qtype, shape) of a weight held in blocks."""
+        v = self._d[name]
+        if not isinstance(v, tuple):
+            raise KeyError(f"{name} is not held in blocks")
+        return v
+
     def __getitem__(self, name: str) -> torch.Tensor:
         v = self._d[name]
         if not isinstance(v, tuple):

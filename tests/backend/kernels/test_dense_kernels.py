@@ -138,6 +138,11 @@ def test_decoding_batches_are_chunked_and_rows_stay_independent(qtype: QType) ->
 
 
 def test_other_dense_cases_are_left_to_blas(monkeypatch) -> None:
+    """Without the native kernels (which take any rows of a float32 CPU tensor): more rows
+    than the graphs take, other dtypes or widths, and a graph that fails, which leaves
+    only its own kind of weight to BLAS."""
+    monkeypatch.setattr(native, "_tried", True)
+    monkeypatch.setattr(native, "_lib", None)
     dense = dense_kernels._Dense()
     monkeypatch.setattr(dense_kernels, "_DENSE", dense)
     w = dense_kernels.FusedWeight(torch.randn(64, HIDDEN), QType.F32, (64, HIDDEN))
@@ -149,19 +154,29 @@ def test_other_dense_cases_are_left_to_blas(monkeypatch) -> None:
     assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN)) is not None
     # A kernel that fails leaves its own kind of weight to BLAS, not the others.
     other = dense_kernels.FusedWeight(torch.randn(96, HIDDEN), QType.F32, (96, HIDDEN))
-    monkeypatch.setitem(dense_kernels._KERNELS, QType.F32, None)  # calling None raises
-    if native.available():  # float32 weights go to the native kernel: no graph is called
-        assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is not None
-        assert not dense.broken
-        return
-    assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
+    with monkeypatch.context() as m:
+        m.setitem(dense_kernels._KERNELS, QType.F32, None)  # calling None raises
+        assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
     assert (QType.F32, (96, HIDDEN)) in dense.broken
-    monkeypatch.undo()  # (the graph back; the native kernels too, so off again)
-    monkeypatch.setattr(native, "_tried", True)
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(dense_kernels, "_DENSE", dense)
     assert dense_kernels.dense_linear(w, torch.randn(2, HIDDEN)) is not None
     assert dense_kernels.dense_linear(other, torch.randn(2, HIDDEN)) is None
+
+
+def test_native_kernels_take_any_number_of_rows() -> None:
+    """With the native kernels, decoding batches of any size (more than the graphs'
+    ``DENSE_MAX_ROWS``) stay off BLAS and off a weight's float values, each row the same
+    as alone."""
+    if not native.available():
+        pytest.skip("no native kernels here")
+    raw = random_blocks(QType.Q4_1, 96, HIDDEN, seed=2)
+    x = torch.randn(200, HIDDEN, generator=torch.Generator().manual_seed(2))
+    for w in (
+        dense_kernels.FusedWeight(raw, QType.Q4_1, (96, HIDDEN)),
+        dense_kernels.FusedWeight(torch.randn(96, HIDDEN), QType.F32, (96, HIDDEN)),
+    ):
+        many = dense_kernels.dense_linear(w, x)
+        assert many is not None
+        assert torch.equal(dense_kernels.dense_linear(w, x[7:8]), many[7:8])
 
 
 def test_loaded_q4_model_decodes_through_the_dense_kernels(tmp_path, monkeypatch) -> None:

@@ -35,14 +35,14 @@ def tiny_files(tmp_path_factory) -> dict[str, object]:
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0], ids=["q4_1", "q8_0"])
 def test_attention_is_held_in_its_blocks_with_the_values_it_had(tiny_files, qtype) -> None:
-    """Each layer's q, k, v and output projections are held as blocks where a kernel
-    reads them (Q4_1 always, Q8_0 where the native kernels build), and read back bit for
-    bit as the float32 copy the loader kept before; norms stay tensors; what is held is
-    smaller than the float copies."""
+    """Each layer's q, k, v and output projections are held as blocks where the native
+    kernels build (elsewhere as float32, which the compiled graphs' fallback needs), and
+    read back bit for bit as the float32 copy the loader kept before; norms stay
+    tensors; what is held is smaller than the float copies."""
     path = tiny_files[qtype.name]
     model = load_model(path)
     t, refs = model.transformer, model.dense_refs
-    in_blocks = qtype == QType.Q4_1 or native.available()
+    in_blocks = native.available()
     files = MappedFiles()
     floats = 0
     for layer in range(model.config.n_layers):
@@ -78,17 +78,21 @@ def test_rows_decode_as_the_whole_weight(qtype) -> None:
 
 
 def test_decoding_reads_no_weight_from_its_blocks(tiny_files) -> None:
-    """A prompt decodes the weights its BLAS products need; decoding steps decode none,
-    in plain generation as in the engine: more steps, no more decoding."""
+    """A prompt's BLAS products decode the weights held in blocks; decoding steps decode
+    none, in plain generation as in the engine (prompts read beside other requests'
+    decoding there): more steps, no more decoding."""
+    if not native.available():
+        pytest.skip("weights are held in blocks only where the native kernels build")
     model = load_model(tiny_files["Q4_1"])
     w = model.transformer.w
+    assert w.in_blocks("blk.0.attn_q")
     counts = []
     for steps in (1, 8):
         before = w.decoded
         greedy_logits(model, [3, 17, 42, 5], steps=steps)
         counts.append(w.decoded - before)
     assert counts[0] > 0 and counts[0] == counts[1]
-    # The engine: once both prompts have their first token, no more decoding.
+    # The engine: once every prompt has its first token, no more decoding.
     eng = Engine(model, EngineConfig(policy="bevy", cache="1.0", storage="host"))
     try:
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -108,3 +112,25 @@ def test_decoding_reads_no_weight_from_its_blocks(tiny_files) -> None:
         assert w.decoded == before
     finally:
         eng.close()
+
+
+def test_quantized_untied_embedding_is_held_in_blocks(tmp_path, monkeypatch) -> None:
+    """An untied embedding stored quantized (as llama.cpp's converter writes most files;
+    our exporter keeps it float32, so the test has it quantize the embedding too) is held
+    in its blocks where the native kernels build, looked up row by row: the same
+    logits."""
+    from backend.models import gguf_export
+
+    model = load_model(make_tiny("mixtral", tmp_path / "m"))
+    assert not model.config.tie_embeddings
+    monkeypatch.setattr(gguf_export, "_KEEP_F32_NAMES", ("output",))
+    path = write_gguf(model, tmp_path / "m.gguf", QType.Q8_0)
+    monkeypatch.undo()
+    ours = load_model(path)
+    assert ours.dense_refs["token_embd"].qtype == QType.Q8_0
+    t = ours.transformer
+    assert t.w.in_blocks("token_embd") == native.available()
+    _, got = greedy_logits(ours, [3, 17, 42, 5], steps=4)
+    t.w["token_embd"] = MappedFiles().load(ours.dense_refs["token_embd"])
+    _, ref = greedy_logits(ours, [3, 17, 42, 5], steps=4)
+    assert torch.equal(got, ref)
