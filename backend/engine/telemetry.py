@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 Interval = tuple[float, float]
 
@@ -68,21 +69,115 @@ class ComputeEvent:
     tokens: int
 
 
+class Lane:
+    """One serial lane's newest ``capacity`` events, oldest first, in typed columns (a
+    ring): a start and an end, then the columns named in ``columns``. About 40 bytes an
+    event where a Python object each cost about 450 (measured: ``docs/performance.md``);
+    an engine records some 60 events a token, and a long session fills the ring.
+
+    Events come in time order (one thread records each lane), so their ends ascend and a
+    window is found by bisection. Iterating builds ``make(start, end, *columns)`` per
+    event: for traces and tests, not for live views."""
+
+    def __init__(self, capacity: int, columns: dict[str, object], make=None) -> None:
+        self.capacity = capacity
+        self.n = 0  # events ever appended
+        self.start = np.zeros(capacity)
+        self.end = np.zeros(capacity)
+        self.columns = {name: np.empty(capacity, dtype) for name, dtype in columns.items()}
+        self._make = make
+
+    def __len__(self) -> int:
+        return min(self.n, self.capacity)
+
+    def append(self, start: float, end: float, *values) -> None:
+        i = self.n % self.capacity
+        self.start[i], self.end[i] = start, end
+        for col, v in zip(self.columns.values(), values, strict=True):
+            col[i] = v
+        self.n += 1
+
+    def extend_last(self, end: float) -> None:
+        """Stretch the newest event to ``end`` (if later)."""
+        i = (self.n - 1) % self.capacity
+        self.end[i] = max(self.end[i], end)
+
+    def last_end(self) -> float | None:
+        return None if self.n == 0 else float(self.end[(self.n - 1) % self.capacity])
+
+    def _segments(self, first: int = 0) -> list[slice]:
+        """Physical slices holding the events from logical index ``first`` on, in order."""
+        size, cap = len(self), self.capacity
+        head = (self.n - size) % cap  # physical index of the oldest event
+        lo, hi = head + first, head + size
+        if hi <= cap:
+            return [slice(lo, hi)]
+        if lo >= cap:
+            return [slice(lo - cap, hi - cap)]
+        return [slice(lo, cap), slice(0, hi - cap)]
+
+    def first_ending_after(self, t: float) -> int:
+        """Logical index of the oldest event that ends after ``t`` (``len`` if none)."""
+        k = 0
+        for seg in self._segments():
+            ends = self.end[seg]
+            i = int(np.searchsorted(ends, t, side="right"))
+            k += i
+            if i < len(ends):
+                break
+        return k
+
+    def count(self, lo: float, hi: float) -> int:
+        """Events that end in [lo, hi]."""
+        n = 0
+        for seg in self._segments():
+            ends = self.end[seg]
+            n += int(np.searchsorted(ends, hi, "right") - np.searchsorted(ends, lo, "left"))
+        return n
+
+    def window(self, start: float, end: float) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends) of the events overlapping [start, end], oldest first."""
+        segs = self._segments(self.first_ending_after(start))
+        s = np.concatenate([self.start[g] for g in segs]) if segs else np.zeros(0)
+        e = np.concatenate([self.end[g] for g in segs]) if segs else np.zeros(0)
+        keep = s < end
+        return s[keep], e[keep]
+
+    def __iter__(self):
+        for seg in self._segments():
+            cols = [c[seg].tolist() for c in self.columns.values()]
+            for row in zip(self.start[seg].tolist(), self.end[seg].tolist(), *cols, strict=True):
+                yield self._make(*row) if self._make else row
+
+
+def _intervals(starts: np.ndarray, ends: np.ndarray) -> list[Interval]:
+    return list(zip(starts.tolist(), ends.tolist(), strict=True))
+
+
 class Telemetry:
     """Thread-safe; bounded (the newest ``capacity`` events of each kind are kept)."""
 
     def __init__(self, capacity: int = 200_000) -> None:
         self._lock = threading.Lock()
-        self.link: deque[LinkEvent] = deque(maxlen=capacity)
-        self.compute: deque[ComputeEvent] = deque(maxlen=capacity)
-        self.tokens: deque[tuple[float, str]] = deque(maxlen=capacity)
-        # Each lane as ``coalesce(lane, MERGE_GAP_S)`` would give it, kept as events come
-        # ([start, end] lists): a live view reads a few merged intervals instead of
-        # merging thousands of jobs on every snapshot.
-        self._merged: dict[str, deque[list[float]]] = {
-            "link": deque(maxlen=capacity),
-            "compute": deque(maxlen=capacity),
-        }
+        self.link = Lane(
+            capacity,
+            {"layer": np.int32, "expert": np.int32, "nbytes": np.int64, "prefetch": np.bool_},
+            lambda s, e, layer, expert, nbytes, pf: LinkEvent(s, e, (layer, expert), nbytes, pf),
+        )
+        self.compute = Lane(
+            capacity,
+            {"layer": np.int32, "requests": object, "tokens": np.int32},
+            ComputeEvent,
+        )
+        # a token's time is its event's start and end; then the request's id
+        self.tokens = Lane(capacity, {"request": object}, lambda t, _, rid: (t, rid))
+        # The same group of requests computes layer after layer: one tuple for all its
+        # events (``_requests``), not one per event.
+        self._groups: dict[tuple[str, ...], tuple[str, ...]] = {}
+        # Each lane as ``coalesce(lane, MERGE_GAP_S)`` would give it, kept as events come:
+        # a live view reads a few merged intervals instead of merging thousands of jobs on
+        # every snapshot.
+        self._merged = {"link": Lane(capacity, {}), "compute": Lane(capacity, {})}
         self.t0 = time.perf_counter()
         self.link_busy_s = 0.0
         self.compute_busy_s = 0.0
@@ -93,7 +188,7 @@ class Telemetry:
         self, start: float, end: float, key: tuple[int, int], nbytes: int, prefetch: bool = False
     ) -> None:
         with self._lock:
-            self.link.append(LinkEvent(start, end, key, nbytes, prefetch))
+            self.link.append(start, end, key[0], key[1], nbytes, prefetch)
             self._merge("link", start, end)
             self.link_busy_s += end - start
             self.fetched += 1
@@ -102,59 +197,44 @@ class Telemetry:
         self, start: float, end: float, layer: int, requests: tuple[str, ...], tokens: int
     ) -> None:
         with self._lock:
-            self.compute.append(ComputeEvent(start, end, layer, requests, tokens))
+            group = self._groups.get(requests)
+            if group is None:
+                if len(self._groups) > 4096:
+                    self._groups.clear()
+                group = self._groups[requests] = tuple(requests)
+            self.compute.append(start, end, layer, group, tokens)
             self._merge("compute", start, end)
             self.compute_busy_s += end - start
 
     def record_token(self, request_id: str) -> None:
         with self._lock:
-            self.tokens.append((time.perf_counter(), request_id))
+            t = time.perf_counter()
+            self.tokens.append(t, t, request_id)
             self.n_tokens += 1
 
     def _merge(self, lane: str, start: float, end: float) -> None:
         merged = self._merged[lane]
-        if merged and start - merged[-1][1] < MERGE_GAP_S:
-            merged[-1][1] = max(merged[-1][1], end)
+        last = merged.last_end()
+        if last is not None and start - last < MERGE_GAP_S:
+            merged.extend_last(end)
         else:
-            merged.append([start, end])
+            merged.append(start, end)
 
     def merged_lanes(self, start: float, end: float) -> tuple[list[Interval], list[Interval]]:
         """Both lanes over [start, end], intervals closer than ``MERGE_GAP_S`` merged:
         what ``coalesce`` gives for ``lanes`` (to within that gap at ``start``), at the
         cost of the few merged intervals."""
         with self._lock:
-            link = self._recent_merged(self._merged["link"], start, end)
-            comp = self._recent_merged(self._merged["compute"], start, end)
+            link = _intervals(*self._merged["link"].window(start, end))
+            comp = _intervals(*self._merged["compute"].window(start, end))
         return clip(link, start, end), clip(comp, start, end)
 
-    @staticmethod
-    def _recent_merged(merged: deque, start: float, end: float) -> list[Interval]:
-        out = []
-        for s, e in reversed(merged):
-            if e <= start:
-                break
-            if s < end:
-                out.append((s, e))
-        out.reverse()
-        return out
-
-    @staticmethod
-    def _recent(events: deque, start: float, end: float) -> list[Interval]:
-        """Intervals of a lane overlapping [start, end], oldest first. Walks back from the
-        newest event only as far as ``start``: live snapshots cost the window, not the log."""
-        out = []
-        for e in reversed(events):
-            if e.end <= start:
-                break
-            if e.start < end:
-                out.append((e.start, e.end))
-        out.reverse()
-        return out
-
     def lanes(self, start: float, end: float) -> tuple[list[Interval], list[Interval]]:
+        """Intervals of each lane overlapping [start, end], clipped to it, oldest first.
+        Costs the window, not the log."""
         with self._lock:
-            link = self._recent(self.link, start, end)
-            comp = self._recent(self.compute, start, end)
+            link = _intervals(*self.link.window(start, end))
+            comp = _intervals(*self.compute.window(start, end))
         return clip(link, start, end), clip(comp, start, end)
 
     def window(self, start: float, end: float) -> dict[str, float]:
@@ -163,11 +243,7 @@ class Telemetry:
         link, comp = self.lanes(start, end)
         link_s, comp_s = sum(e - s for s, e in link), sum(e - s for s, e in comp)
         with self._lock:
-            n_tokens = 0
-            for t, _ in reversed(self.tokens):
-                if t < start:
-                    break
-                n_tokens += t <= end
+            n_tokens = self.tokens.count(start, end)
         return {
             "wall_s": wall,
             "link_busy_s": link_s,

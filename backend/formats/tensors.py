@@ -67,6 +67,17 @@ class MappedFiles:
             return dequantize(raw, ref.qtype, ref.shape, dtype).to(device, copy=True)
         return dequantize(raw.to(device), ref.qtype, ref.shape, dtype)
 
+    def release(self) -> None:
+        """Drop the pages read so far from this process's resident set (what loading the
+        dense weights touched, and copied out): they count against the process until the
+        map is gone, and the file stays in the page cache, where the kernel may reclaim
+        it. A later read of the map reads the file again; nothing is ever written to it,
+        so that reads the same bytes."""
+        with self._lock:
+            for mm, _ in self._maps.values():
+                if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                    mm.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         with self._lock:
             self._maps.clear()

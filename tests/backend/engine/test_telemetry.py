@@ -43,3 +43,44 @@ def test_merged_lanes_are_the_coalesced_raw_lanes() -> None:
             coalesce(link, MERGE_GAP_S),
             coalesce(comp, MERGE_GAP_S),
         )
+
+
+def test_a_full_ring_keeps_the_newest_events_in_order() -> None:
+    """Past its capacity a lane drops its oldest events; windows, counts and iteration
+    read across the ring's wrap as if it were one list of the newest events."""
+    from backend.engine.telemetry import ComputeEvent, LinkEvent
+
+    t = Telemetry(capacity=7)
+    for i in range(10):  # 10 events into 7 places: the ring wraps, events 3..9 kept
+        t.record_link(i, i + 0.5, (i, i + 1), 100 + i, i % 2 == 0)
+        t.record_compute(i + 0.5, i + 1, i, ("a", "b") if i % 2 else ("a",), i)
+    assert len(t.link) == len(t.compute) == 7 and t.fetched == 10
+    assert list(t.link)[0] == LinkEvent(3, 3.5, (3, 4), 103, False)
+    assert list(t.link)[-1] == LinkEvent(9, 9.5, (9, 10), 109, False)
+    assert [e.layer for e in t.compute] == list(range(3, 10))
+    assert list(t.compute)[1] == ComputeEvent(4.5, 5, 4, ("a",), 4)
+    # a window over the wrap (events 5..8 start in [5, 9)), and one before what is kept
+    link, comp = t.lanes(5.2, 8.25)
+    assert link == [(5.2, 5.5), (6, 6.5), (7, 7.5), (8, 8.25)]
+    assert comp == [(5.5, 6), (6.5, 7), (7.5, 8)]
+    assert t.lanes(0, 2.9) == ([], [])
+    assert t.window(0, 20)["link_busy_s"] == 3.5  # the 7 kept
+
+
+def test_tokens_counted_in_a_closed_window() -> None:
+    t = Telemetry(capacity=5)
+    for _ in range(8):
+        t.record_token("r")
+    times = [time for time, _ in t.tokens]
+    assert len(times) == 5 and times == sorted(times) and t.n_tokens == 8
+    w = t.window(times[1], times[3])  # both ends counted
+    assert w["tokens_per_s"] * w["wall_s"] == 3
+
+
+def test_a_group_of_requests_is_held_once() -> None:
+    """The engine computes layer after layer for one group: its events share one tuple."""
+    t = Telemetry()
+    for i in range(5):
+        t.record_compute(i, i + 1, i, tuple(["a", "b"]), 2)
+    groups = {id(e.requests) for e in t.compute}
+    assert len(groups) == 1

@@ -134,3 +134,45 @@ def test_quantized_untied_embedding_is_held_in_blocks(tmp_path, monkeypatch) -> 
     t.w["token_embd"] = MappedFiles().load(ours.dense_refs["token_embd"])
     _, ref = greedy_logits(ours, [3, 17, 42, 5], steps=4)
     assert torch.equal(got, ref)
+
+
+def _mapped_rss_kib(path) -> int:
+    """Resident KiB of this process's maps of ``path`` (Linux ``smaps``)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:
+                ours = line.rstrip().endswith(str(path))
+            elif ours and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux smaps")
+def test_released_map_leaves_the_resident_set_and_reads_the_same(tmp_path) -> None:
+    """What loading read through the file's map is dropped from the process's resident
+    set once copied out (``MappedFiles.release``), and reading the map again gives the
+    same bytes."""
+    from backend.formats.tensors import TensorRef
+
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    files = MappedFiles()
+    ref = TensorRef(path, 0, data.numel(), QType.F32, (data.numel() // 4,))
+    view = files.bytes_of(ref)
+    assert torch.equal(view, data)  # every page read
+    assert _mapped_rss_kib(path) > 12 << 10
+    files.release()
+    assert _mapped_rss_kib(path) < 1 << 10
+    assert torch.equal(view, data)
+
+
+def test_a_loaded_model_holds_no_page_of_its_file(tiny_files) -> None:
+    """The load's reads of the dense weights are released: the weights it keeps are its
+    own copies."""
+    path = tiny_files["Q4_1"]
+    model = load_model(path)
+    assert _mapped_rss_kib(path) == 0
+    assert model.transformer.held_bytes() > 0
