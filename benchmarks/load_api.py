@@ -4,12 +4,17 @@
     python benchmarks/load_api.py --model DIR --max-tokens 16 --clients 8
     python benchmarks/load_api.py --url http://127.0.0.1:8080   # a server already running
     python benchmarks/load_api.py --dialects openai,ollama,anthropic   # clients of all three
+    python benchmarks/load_api.py --clients 8 --requests 2 --rounds 5   # memory, round by round
 
 Each client sends its requests one after another (streaming chats from a bundled
 workload), so up to ``--clients`` requests are in flight. With ``--dialects`` the clients
 take the listed APIs in turn (OpenAI's chat completions, Ollama's /api/chat, Anthropic's
 /v1/messages), each read in its own wire format. Prints completion tokens/s over the
 whole run, requests/s, and p50/p95 of latency and time to first token (per dialect too).
+With ``--rounds N`` the same load runs N times against one server, and after each round
+the server's memory is printed (of a server this script started: its peak resident set,
+and what is resident now, anonymous and file-backed): a server that keeps what its
+requests left behind grows round by round.
 """
 
 from __future__ import annotations
@@ -216,6 +221,28 @@ def report(results: list[Result], wall_s: float, stats: dict | None) -> None:
         print(f"expert cache    hit rate {stats['cache_hit_rate']:.1%}")
 
 
+def memory(proc: subprocess.Popen | None, stats: dict | None) -> None:
+    """The server's memory now: from /proc for a server this script started (Linux), else
+    what its /v1/stats says."""
+    fields = {}
+    if proc is not None:
+        try:
+            text = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            text = ""
+        for line in text.splitlines():
+            name, _, value = line.partition(":")
+            if name in ("VmHWM", "RssAnon", "RssFile"):
+                fields[name] = int(value.split()[0]) >> 10
+    if fields:
+        print(
+            f"memory          peak {fields.get('VmHWM', 0)} MiB; now {fields.get('RssAnon', 0)}"
+            f" MiB anonymous, {fields.get('RssFile', 0)} MiB file-backed"
+        )
+    elif stats and "memory_mib" in stats:
+        print(f"memory          {stats['memory_mib'].get('rss', 0):.0f} MiB resident")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="default: the demo MoE")
@@ -235,9 +262,10 @@ def main() -> int:
     p.add_argument("--cache", default="0.3", help="the started server's expert cache")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--rounds", type=int, default=1, help="run the load this many times")
     args = p.parse_args()
-    if args.clients < 1 or args.requests < 1 or args.max_tokens < 1:
-        p.error("--clients, --requests and --max-tokens must be >= 1")
+    if min(args.clients, args.requests, args.max_tokens, args.rounds) < 1:
+        p.error("--clients, --requests, --max-tokens and --rounds must be >= 1")
     unknown = set(args.dialects.split(",")) - {"openai", "ollama", "anthropic"}
     if unknown:
         p.error(f"unknown dialect(s) {', '.join(sorted(unknown))}: use openai, ollama, anthropic")
@@ -251,10 +279,14 @@ def main() -> int:
             f"{args.max_tokens} tokens each, against {url}",
             flush=True,
         )
-        results, wall = asyncio.run(run_load(url, args, args.api_key))
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        stats = httpx.get(f"{url}/v1/stats", headers=headers, timeout=10).json()
-        report(results, wall, stats)
+        for k in range(args.rounds):
+            if args.rounds > 1:
+                print(f"--- round {k + 1} of {args.rounds}", flush=True)
+            results, wall = asyncio.run(run_load(url, args, args.api_key))
+            stats = httpx.get(f"{url}/v1/stats", headers=headers, timeout=10).json()
+            report(results, wall, stats)
+            memory(proc, stats)
     finally:
         if proc is not None:
             proc.terminate()
