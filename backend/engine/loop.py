@@ -32,7 +32,7 @@ from backend.engine.balance import WINDOW_S, Balancer
 from backend.engine.cache import Claims, ExpertCache
 from backend.engine.fetcher import Fetcher
 from backend.engine.jobs import JobRunner
-from backend.engine.memory import give_back_large_frees, rss_bytes
+from backend.engine.memory import rss_bytes
 from backend.engine.prefetch import Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, riders, split
@@ -98,7 +98,6 @@ class Engine:
         self._wake: queue.Queue = queue.Queue()
         device = model.transformer.device
         self._compute_threads = torch.get_num_threads()
-        give_back_large_frees()
         self.store = open_store(config.storage, model.experts, pin_memory=device.type == "cuda")
         c = model.config
         fmt = config.slot_format

@@ -80,6 +80,8 @@ class Lane:
     event: for traces and tests, not for live views."""
 
     def __init__(self, capacity: int, columns: dict[str, object], make=None) -> None:
+        if capacity < 1:
+            raise ValueError(f"a lane holds at least one event, not {capacity}")
         self.capacity = capacity
         self.n = 0  # events ever appended
         self.start = np.zeros(capacity)
@@ -143,6 +145,17 @@ class Lane:
         keep = s < end
         return s[keep], e[keep]
 
+    def copy(self) -> Lane:
+        """The events as they are now, in a lane of their own (what a reader may then
+        iterate outside the recording threads' lock)."""
+        out = Lane(max(len(self), 1), {}, self._make)
+        segs = self._segments()
+        out.start = np.concatenate([self.start[g] for g in segs])
+        out.end = np.concatenate([self.end[g] for g in segs])
+        out.columns = {k: np.concatenate([c[g] for g in segs]) for k, c in self.columns.items()}
+        out.n = len(self)
+        return out
+
     def __iter__(self):
         for seg in self._segments():
             cols = [c[seg].tolist() for c in self.columns.values()]
@@ -196,6 +209,7 @@ class Telemetry:
     def record_compute(
         self, start: float, end: float, layer: int, requests: tuple[str, ...], tokens: int
     ) -> None:
+        """``requests``: the ids computed, as a tuple (groups are shared by value)."""
         with self._lock:
             group = self._groups.get(requests)
             if group is None:
@@ -258,8 +272,8 @@ class Telemetry:
 
     def write_chrome_trace(self, path: str | Path) -> Path:
         """Chrome/Perfetto trace JSON: one lane for the link, one for compute."""
-        with self._lock:
-            link, comp = list(self.link), list(self.compute)
+        with self._lock:  # copy the columns; the events are built outside the lock
+            link, comp = self.link.copy(), self.compute.copy()
         us = lambda t: (t - self.t0) * 1e6  # noqa: E731
         events: list[dict] = [
             {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "bevy engine"}},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,8 @@ class MappedFiles:
         with self._lock:
             for mm, _ in self._maps.values():
                 if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-                    mm.madvise(mmap.MADV_DONTNEED)
+                    with suppress(OSError):  # (memory locked, say): the pages just stay
+                        mm.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         with self._lock:

@@ -3,8 +3,6 @@ engine reports what it holds (slots, working set, KV, dense weights) against it.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from backend.config import EngineConfig, SamplingParams
@@ -75,36 +73,3 @@ def test_an_asked_for_working_set_comes_out_of_the_budget_and_stays_in_it(demo) 
         assert snap.cache_budget_bytes == budget
     finally:
         eng.close()
-
-
-def _anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise AssertionError("no RssAnon")
-
-
-@pytest.mark.skipif(
-    __import__("platform").libc_ver()[0] != "glibc" or not os.path.exists("/proc/self/status"),
-    reason="glibc on Linux",
-)
-def test_freed_large_tensors_leave_the_resident_set() -> None:
-    """After ``give_back_large_frees`` a freed block of 128 KiB or more is unmapped at
-    once. glibc's default would keep the second of two same-sized blocks on its heap
-    (the first free raised its threshold), resident after the free while the small
-    allocation made after it pins the heap's top."""
-    import torch
-
-    from backend.engine.memory import give_back_large_frees
-
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        pytest.skip("the environment sets glibc's threshold")
-    assert give_back_large_frees()
-    n = (24 << 20) // 4
-    torch.ones(n)  # allocated, filled and freed
-    before = _anon_kib()
-    big = torch.ones(n)
-    pin = torch.ones(64)  # noqa: F841  (after the big block, so a heap top cannot be trimmed)
-    del big
-    assert _anon_kib() - before < 4 << 10

@@ -45,7 +45,7 @@ def test_merged_lanes_are_the_coalesced_raw_lanes() -> None:
         )
 
 
-def test_a_full_ring_keeps_the_newest_events_in_order() -> None:
+def test_a_full_ring_keeps_the_newest_events_in_order(tmp_path: Path) -> None:
     """Past its capacity a lane drops its oldest events; windows, counts and iteration
     read across the ring's wrap as if it were one list of the newest events."""
     from backend.engine.telemetry import ComputeEvent, LinkEvent
@@ -65,6 +65,12 @@ def test_a_full_ring_keeps_the_newest_events_in_order() -> None:
     assert comp == [(5.5, 6), (6.5, 7), (7.5, 8)]
     assert t.lanes(0, 2.9) == ([], [])
     assert t.window(0, 20)["link_busy_s"] == 3.5  # the 7 kept
+    trace = json.loads(t.write_chrome_trace(tmp_path / "t.json").read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert names[:7] == [
+        f"{'prefetch' if i % 2 == 0 else 'fetch'} L{i}E{i + 1}" for i in range(3, 10)
+    ]
+    assert names[7:] == [f"layer {i} x{2 if i % 2 else 1}" for i in range(3, 10)]
 
 
 def test_tokens_counted_in_a_closed_window() -> None:

@@ -171,6 +171,7 @@ def test_released_map_leaves_the_resident_set_and_reads_the_same(tmp_path) -> No
     assert torch.equal(view, data)
 
 
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux smaps")
 def test_a_loaded_model_holds_no_page_of_its_file(tiny_files) -> None:
     """The load's reads of the dense weights are released: the weights it keeps are its
     own copies."""
