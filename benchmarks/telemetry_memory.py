@@ -17,13 +17,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-def anon_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+from resident_memory import anon_mib  # noqa: E402
 
 
 def main() -> int:
