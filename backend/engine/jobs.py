@@ -212,7 +212,8 @@ class JobRunner:
         whole = [
             not r.done and len(s) == len(r.needed) for r, s in zip(members, subsets, strict=True)
         ]
-        first = sorted(range(len(members)), key=lambda i: not whole[i])  # whole ones first
+        # Whole ones first, then prompts applying some of their experts, then one-token ones.
+        first = sorted(range(len(members)), key=lambda i: (not whole[i], members[i].n == 1))
         members = [members[i] for i in first]
         subsets = [subsets[i] for i in first]
         n_whole = sum(whole)

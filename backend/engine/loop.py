@@ -200,6 +200,8 @@ class Engine:
         # bevy-static its fixed groups: a prompt's slices would leave its batch behind.
         together = self.policy.lockstep or self.policy.group_size
         self.prefill_chunk = 0 if together else config.prefill_chunk
+        # Prompts a split run may start on (``scheduler.split``): those read whole.
+        self._split_rows = self.prefill_chunk or sys.maxsize
         # Compute seconds of slices and of other jobs while both were ready (see ``_pick``),
         # and whether they both are for the job this step runs.
         self._slice_s = self._other_s = 0.0
@@ -295,7 +297,7 @@ class Engine:
         elif (
             self.policy.split
             and not self._held
-            and (part := split(self.running, self.cache.is_ready))
+            and (part := split(self.running, self.cache.is_ready, self._split_rows))
         ):
             self._run_split(part)
         elif block or self.running:

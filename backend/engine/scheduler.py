@@ -7,7 +7,8 @@ Pure Python over ``Request`` state, so every policy is tested without torch work
   fewest missing experts (SRTF). While compute is the bottleneck and the link idles,
   the requests advance together instead (``backend.engine.balance``). Requests at that layer still waiting for other experts
   ride along on the experts they share with the group (``ride``). When no job is ready,
-  waiting decoding jobs apply the experts they already have (``split``).
+  waiting jobs apply the experts they already have (``split``): decoding jobs any of
+  them, short prompts those that come first in expert order.
 - ``sync``: llama.cpp-like: all running requests advance as one batch, layer by layer;
   experts are fetched on demand and compute waits for them.
 - ``prefetch-gate`` / ``prefetch-history``: ``sync`` plus prefetching of predicted
@@ -45,9 +46,9 @@ class Policy:
     # Requests at the group's layer that wait for other experts ride along on the ones
     # the group runs (their rows join the same products; see ``riders``).
     ride: bool = True
-    # With no job ready, decoding jobs still waiting for some experts apply the ones
-    # already in the cache (see ``split``): the compute lane works while the
-    # link loads the rest, and the job has less left to do when they arrive.
+    # With no job ready, jobs still waiting for some experts apply the ones already in
+    # the cache (see ``split``): the compute lane works while the link loads the rest,
+    # and the job has less left to do when they arrive.
     split: bool = True
     # Requests advance together while compute is the bottleneck and the link idles
     # (``backend.engine.balance``): runahead's smaller batches would only cost compute.
@@ -158,20 +159,33 @@ def riders(running: Sequence[Request], group: Sequence[Request]) -> list[Ride]:
     return out
 
 
-def split(running: Sequence[Request], is_ready: Callable[[tuple[int, int]], bool]) -> list[Ride]:
-    """With no job ready: decoding jobs still waiting for some experts, at the lowest such
-    layer, each with its claimed experts that are ready. Applying them now, while the link
-    loads the rest, leaves less for the job to do once its last expert arrives.
+def split(
+    running: Sequence[Request],
+    is_ready: Callable[[tuple[int, int]], bool],
+    max_rows: int = 0,
+) -> list[Ride]:
+    """With no job ready: jobs still waiting for some experts, at the lowest such layer,
+    each with its claimed experts that are ready. Applying them now, while the link loads
+    the rest, leaves less for the job to do once its last expert arrives.
+
+    A decoding job applies any of its ready experts (it keeps each product apart and sums
+    them in expert order at the end). A prompt of at most ``max_rows`` rows (0: none)
+    adds its products into its rows as it goes, so it takes only the ready experts that
+    come first in expert order among those it has left: the same sums in the same order
+    as one whole job, while its layer's experts are still arriving (a longer prompt is
+    read in slices of rows, each of which needs them all).
 
     An expert that another request at this layer still needs but cannot apply now is left
     out, to run once for all later (as a group or riders): splitting it off here would
     compute it twice. One this split applies for every request that needs it stays."""
     best: list[Ride] = []
     for r in running:
-        if not r.claimed or r.n != 1 or (best and r.layer > best[0][0].layer):
+        if not r.claimed or r.n > max(max_rows, 1) or (best and r.layer > best[0][0].layer):
             continue
         ready = {k[1] for k in r.claim if is_ready(k)}
         if not ready or len(ready) == len(r.claim):  # none, or a job that is ready
+            continue
+        if r.n > 1 and not (ready := _first(r, ready)):
             continue
         if best and r.layer < best[0][0].layer:
             best = []
@@ -185,7 +199,21 @@ def split(running: Sequence[Request], is_ready: Callable[[tuple[int, int]], bool
             needers.update(set(r.needed) - r.done)
     here: Counter[int] = Counter(e for _, ready in best for e in ready)
     best = [(r, {e for e in ready if here[e] == needers[e]}) for r, ready in best]
+    best = [(r, _first(r, ready) if r.n > 1 else ready) for r, ready in best]
     return [(r, ready) for r, ready in best if ready]
+
+
+def _first(r: Request, ready: set[int]) -> set[int]:
+    """The experts in ``ready`` that come before every expert ``r`` has left and is not
+    in it: a prompt applies its experts in expert order."""
+    out = set()
+    for e in r.needed:
+        if e in r.done:
+            continue
+        if e not in ready:
+            break
+        out.add(e)
+    return out
 
 
 def make_policy(name: str) -> Policy:

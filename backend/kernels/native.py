@@ -383,6 +383,7 @@ def moe(
     inner: int,
     hidden: int,
     sum_rows: int | None = None,
+    into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A MoE layer's routed experts for rows ``x`` [R, hidden] in one call. None where the
     kernels are unavailable or do not take these arguments.
@@ -399,7 +400,11 @@ def moe(
       ``routes`` (the entries of the other routes are not written).
 
     Every value is the same bits as running each expert alone on its rows
-    (``expert_mlp``), scaling by the weight and adding in this order."""
+    (``expert_mlp``), scaling by the weight and adding in this order.
+
+    ``into``: sums to add to instead of zeros ([sum_rows, hidden] float32, contiguous; it
+    becomes y): rows that had earlier experts added, in expert order, continue where
+    they were, as adding this call's products to them one by one would."""
     lib = library()
     if lib is None or not _rows_ok(x, hidden) or route_w.dtype != torch.float32:
         return None
@@ -416,7 +421,17 @@ def moe(
         or not 0 <= sum_rows <= x.shape[0]
     ):
         raise ValueError("native MoE: experts, counts, routes and rows do not agree")
-    y = torch.zeros(sum_rows, hidden, dtype=torch.float32)
+    if into is None:
+        y = torch.zeros(sum_rows, hidden, dtype=torch.float32)
+    elif (
+        into.shape != (sum_rows, hidden)
+        or into.dtype != torch.float32
+        or into.device.type != "cpu"
+        or not into.is_contiguous()
+    ):
+        raise ValueError("native MoE: the sums to add to are not [sum_rows, hidden] float32")
+    else:
+        y = into
     parts = torch.empty(len(routes) if sum_rows < x.shape[0] else 0, hidden, dtype=torch.float32)
     if routes:
         rc = lib.bevy_q4_moe(

@@ -74,11 +74,8 @@ class NativeExperts(EagerExperts):
         x: torch.Tensor,
         w: torch.Tensor,
     ) -> torch.Tensor:
-        if all(r.n == 1 for r in members[n_whole:]):
-            y = self._whole_layer(layer, members, subsets, n_whole, x, w)
-            if y is not None:
-                return y
-        return super().moe(layer, members, subsets, n_whole, x, w)
+        y = self._whole_layer(layer, members, subsets, n_whole, x, w)
+        return super().moe(layer, members, subsets, n_whole, x, w) if y is None else y
 
     def _bits(self, key: tuple[int, int], at: tuple) -> int | None:
         kind = self._kinds.get(key)
@@ -103,9 +100,16 @@ class NativeExperts(EagerExperts):
         x: torch.Tensor,
         w: torch.Tensor,
     ) -> torch.Tensor | None:
-        """``moe`` in one call to ``native.moe``, for whole members and one-token others;
-        None if an expert has more routes than ``NATIVE_MAX_ROWS``."""
+        """``moe`` in one call to ``native.moe``; None if an expert has more routes than
+        ``NATIVE_MAX_ROWS``, or if a prompt among the others comes after a one-token one.
+
+        A prompt among the others (applying some of its experts, ``scheduler.split``) has
+        them added to its ``acc`` by the kernel, which goes on from the sums the prompt
+        has: the order of the additions is the per-expert path's."""
         k = w.shape[1]
+        n_sum = n_whole + sum(1 for r in members[n_whole:] if r.n > 1)
+        if any(r.n > 1 for r in members[n_sum:]):
+            return None
         by_expert: dict[int, list[int]] = {}
         i = 0  # route i is row i // k: rows ascending
         for m, (r, s) in enumerate(zip(members, subsets, strict=True)):
@@ -136,17 +140,31 @@ class NativeExperts(EagerExperts):
             counts.append(len(rs))
             routes += rs
         whole_rows = sum(r.n for r in members[:n_whole])
-        done = native.moe(weights, types, counts, routes, x, w, inner, hidden, whole_rows)
+        sum_rows = sum(r.n for r in members[:n_sum])
+        into = None
+        if n_sum > n_whole:  # the prompts' sums so far follow the whole members' zeros
+            into = torch.cat(
+                [x.new_zeros(whole_rows, hidden)]
+                + [
+                    x.new_zeros(r.n, hidden) if r.acc is None else r.acc
+                    for r in members[n_whole:n_sum]
+                ]
+            )
+        done = native.moe(weights, types, counts, routes, x, w, inner, hidden, sum_rows, into)
         if done is None:
             self.refused("a whole-layer run")
             return None
         y, parts = done
-        if n_whole < len(members):  # one row each: route i is row i // k
+        row = whole_rows
+        for r in members[n_whole:n_sum]:
+            r.acc = y[row : row + r.n]
+            row += r.n
+        if n_sum < len(members):  # one row each: route i is row i // k
             j = 0
             for e, n in zip(sorted(by_expert), counts, strict=True):
                 for i in routes[j : j + n]:
-                    if i // k >= whole_rows:
+                    if i // k >= sum_rows:
                         # a copy: a view would keep all of ``parts`` alive with it
-                        members[n_whole + i // k - whole_rows].parts[e] = parts[j : j + 1].clone()
+                        members[n_sum + i // k - sum_rows].parts[e] = parts[j : j + 1].clone()
                     j += 1
-        return y
+        return y[:whole_rows]

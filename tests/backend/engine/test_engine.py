@@ -296,7 +296,8 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
     models, references, monkeypatch, policy: str, cache: str
 ) -> None:
     """Q4 experts in stored slots: each run's experts go to the native kernels in one call
-    (``native.moe``), riders' products included. Tokens and logits are those of plain
+    (``native.moe``), riders' products included, and prompts' applying some of their
+    experts (added to their sums so far). Tokens and logits are those of plain
     generation, and of the per-expert path it replaces."""
     from backend.engine.experts.native import NativeExperts
     from backend.kernels import native
@@ -319,6 +320,8 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
     if policy == "bevy" and cache == "0.3":
         # some runs carried riders: their products came back one by one
         assert any(args[8] < args[4].shape[0] for args, _ in calls)
+        # some split runs went on from a prompt's sums (``into``)
+        assert any(len(args) > 9 and args[9] is not None for args, _ in calls)
     fin, logs = out
     for i, (tokens, logits) in enumerate(references["mixtral-q4-gguf"]):
         rid = f"r{i}"
@@ -329,19 +332,25 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
 
 @pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "mixtral-q4-gguf"])
 def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
-    """With no job ready, waiting decoding jobs apply their experts already in the cache
-    (``scheduler.split``): such runs happen, and tokens and logits are those of whole jobs
-    (each request still sums its experts in expert order)."""
-    from tests.helpers.spy import spy
-
+    """With no job ready, waiting jobs apply their experts already in the cache
+    (``scheduler.split``): such runs happen, prompts' among them, and tokens and logits
+    are those of whole jobs (each request still sums its experts in expert order)."""
+    real = Engine._run_split
     results = {}
     for split in (True, False):
-        monkeypatch.undo()
-        splits = spy(monkeypatch, Engine, "_run_split")
+        splits: list[list[int]] = []  # each split run's requests' rows, as it ran
+
+        def recorded(eng, part, splits=splits):
+            splits.append([r.n for r, _ in part])
+            real(eng, part)
+
+        monkeypatch.setattr(Engine, "_run_split", recorded)
         config = EngineConfig(policy="bevy", cache="0.3", storage="ssd")
         results[split] = (run_clean(models[model_name], config, split=split), splits)
     (out, splits), (out0, splits0) = results[True], results[False]
     assert splits and not splits0
+    assert any(n > 1 for rows in splits for n in rows)  # a prompt applied some experts
+    assert any(n == 1 for rows in splits for n in rows)
     assert_same_results(out, out0)
 
 

@@ -155,3 +155,31 @@ def test_split_leaves_an_expert_another_request_still_needs() -> None:
         ("r0", [1, 2]),
         ("r2", [1]),
     ]
+
+
+def test_split_gives_a_short_prompt_its_ready_experts_in_expert_order() -> None:
+    """A prompt adds each expert's products into its rows as they come, so a split gives
+    it only the ready experts before its first one still loading; a prompt longer than
+    ``max_rows`` (read in slices, each needing every expert) gets none."""
+    ready = {(2, 1), (2, 2), (2, 5), (2, 7)}.__contains__
+    prompt = job(0, 2, (1, 2, 4, 5, 7), claim=(1, 2, 4, 5, 7), n=40)  # 4 loading
+    assert split([prompt], ready, max_rows=512) == [(prompt, {1, 2})]
+    assert split([prompt], ready) == []  # no max_rows: prompts never split
+    assert split([prompt], ready, max_rows=39) == []
+    applied = job(1, 2, (1, 2, 4, 5, 7), claim=(4, 5, 7), done=(1, 2), n=40)
+    assert split([applied], ready, max_rows=512) == []  # 4 comes first and is loading
+    late = job(2, 2, (0, 1, 2), claim=(0, 1, 2), n=3)  # its first expert is loading
+    assert split([late], ready, max_rows=512) == []
+    # Another request at the layer still needs 2 and cannot apply it now: the prompt
+    # stops before it, as it cannot apply 5 ahead of 2.
+    other = job(3, 2, (2, 9))
+    assert split([prompt, other], ready, max_rows=512) == [(prompt, {1})]
+    # Beside a decoding job: the prompt applies its first experts; the token applies the
+    # ready one the prompt does not need, and leaves 5, which the prompt cannot apply
+    # yet, to run once for both.
+    token = job(4, 2, (5, 6, 8), claim=(5, 6, 8))  # 8 loading
+    ready = {(2, 1), (2, 2), (2, 5), (2, 6), (2, 7)}.__contains__
+    assert sorted((r.id, sorted(s)) for r, s in split([prompt, token], ready, 512)) == [
+        ("r0", [1, 2]),
+        ("r4", [6]),
+    ]

@@ -257,6 +257,30 @@ def test_moe_is_each_expert_alone_scaled_and_added_in_order(
             assert torch.equal(parts[j], product)
 
 
+def test_moe_goes_on_from_the_sums_it_is_given(lib, monkeypatch):
+    """A call given sums (``into``) adds to them in order, as continuing the per-expert
+    path would: the six experts applied as the first two, then the other four, with the
+    second call going on from the first's sums, give the bits of one call for all six
+    (a prompt applying its experts in two runs, ``scheduler.split``)."""
+    monkeypatch.setattr(native, "_lib", lib)
+    rows, k = 11, 3
+    # ``experts`` owns the blocks the addresses in ``weights`` point into
+    experts, _, w, x, order, (weights, types, counts, routes) = _moe_case(rows, rows, k)
+    assert len(experts) == len(order) == 6
+    whole, _ = native.moe(weights, types, counts, routes, x, w, INNER, HIDDEN)
+    cut = sum(counts[:2])
+    first, _ = native.moe(weights[:6], types[:2], counts[:2], routes[:cut], x, w, INNER, HIDDEN)
+    kept = first.clone()
+    rest = weights[6:], types[2:], counts[2:], routes[cut:]
+    y, _ = native.moe(*rest, x, w, INNER, HIDDEN, into=first)
+    assert y is first and torch.equal(y, whole)
+    assert not torch.equal(kept, whole)  # the first call's sums were only part of it
+    with pytest.raises(ValueError, match="sums to add to"):
+        native.moe(*rest, x, w, INNER, HIDDEN, into=first[:5])
+    with pytest.raises(ValueError, match="sums to add to"):
+        native.moe(*rest, x, w, INNER, HIDDEN, into=first.double())
+
+
 def test_moe_refuses_arguments_that_do_not_agree():
     experts, ids, w, x, order, (weights, types, counts, routes) = _moe_case(1, 3, 2)
     with pytest.raises(ValueError):
