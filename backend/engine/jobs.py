@@ -73,14 +73,22 @@ class JobRunner:
         self.enter(group, 0, [SeqSlice(r.kv, r.start, r.n) for r in group], h)
 
     @torch.inference_mode()
-    def run_rows(self, r: Request, rows: int) -> torch.Tensor | None:
-        """The next ``rows`` rows of a prompt's job (``r.row`` on), with all of the
-        layer's experts claimed: its MoE on them (nothing, ``r.entering``), then attention
-        and router of the next layer, whose KV they write after the rows before them.
-        Once every row is done the request moves to that layer; after the last layer the
-        prompt's logits [1, V] come back instead.
+    def apply(self, r: Request, experts: set[int]) -> None:
+        """Part of a long prompt's MoE: ``experts``, the next ones in expert order among
+        those it has left, on all of its rows, added to its sums (``acc``) as a whole
+        job adds them, so that once every expert is applied ``acc`` holds the whole
+        job's bits and ``run_rows`` goes on from it."""
+        self._moe(r.layer, [], [(r, experts)])
 
-        Each row's result is the bits it gets in the whole job: the experts, norms and
+    @torch.inference_mode()
+    def run_rows(self, r: Request, rows: int) -> torch.Tensor | None:
+        """The next ``rows`` rows of a prompt's job (``r.row`` on), with the layer's MoE
+        applied (``apply``; nothing while ``r.entering``): the rest of the layer, then
+        attention and router of the next layer, whose KV they write after the rows
+        before them. Once every row is done the request moves to that layer; after the
+        last layer the prompt's logits [1, V] come back instead.
+
+        Each row's result is the bits it gets in the whole job: the norms and
         projections work row by row, and a row's attention reads the KV of the rows
         before it, which the earlier slices wrote."""
         t, layer = self.t, r.layer
@@ -88,13 +96,8 @@ class JobRunner:
         if r.entering:
             out, nxt = r.emb[a:b], 0
         else:
-            x, y = r.x[a:b], None
-            if t.config.sparse_layers[layer]:
-                part = Request(r.id, [], r.params, n=b - a, x=x)
-                part.route_ids, part.route_w = r.route_ids[a:b], r.route_w[a:b]
-                part.route_list = r.route_list[a:b]
-                part.needed = tuple(sorted({e for es in part.route_list for e in es}))
-                y = self.experts.moe(layer, [part], [set(part.needed)], 1, x, part.route_w)
+            x = r.x[a:b]
+            y = r.acc[a:b] if t.config.sparse_layers[layer] else None
             out = t.ffn_output(layer, r.h[a:b], x, y, prompt=True)
             nxt = layer + 1
         r.row = b

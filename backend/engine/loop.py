@@ -500,19 +500,45 @@ class Engine:
         # Held together, a long prompt read in slices is not part of the batch: its slices
         # go beside it as before, never holding it up for a whole prefill.
         batch = [r for r in self.running if not self._sliced(r)] if together else self.running
-        sliced = [r for r in ready if self._sliced(r)]
-        if not sliced:
-            return self.policy.compute_group(batch, ready, together)
+        sliced = [r for r in self.running if self._sliced(r) and self._part_ready(r)]
         others = [r for r in ready if not self._sliced(r)]
+        if not sliced:
+            return self.policy.compute_group(batch, others, together)
         group = self.policy.compute_group(batch, others, together) if others else []
         return self._pick(min(sliced, key=lambda r: r.arrival), group)
 
     def _sliced(self, r: Request) -> bool:
-        """Whether ``r``'s job runs in slices: a long prompt whose layer's experts are all
-        claimed (a prompt streaming experts through a smaller cache runs whole)."""
-        if not self.prefill_chunk or r.n <= self.prefill_chunk:  # decoding: n is 1
+        """Whether ``r`` is a long prompt read in parts (chunked prefill): its layer's MoE
+        a few experts at a time for all of its rows (``JobRunner.apply``), then the rest
+        of its job in slices of ``prefill_chunk`` rows (``JobRunner.run_rows``)."""
+        return bool(self.prefill_chunk) and r.n > self.prefill_chunk  # decoding: n is 1
+
+    def _part_ready(self, r: Request) -> bool:
+        """Whether a long prompt's next part can run: a slice of rows (entering, or its
+        layer's MoE done), or experts, once the first it has left is ready."""
+        if not r.claimed:
             return False
-        return r.entering or r.row > 0 or (not r.done and len(r.claim) == len(r.needed))
+        if r.entering or len(r.done) == len(r.needed):
+            return True
+        return bool(r.claim) and self.cache.is_ready(r.claim[0])
+
+    def _experts_part(self, r: Request) -> set[int]:
+        """The experts a long prompt applies next: its claimed ones that are ready, in
+        expert order up to the first still loading, and no more routes than a slice of
+        rows has (a part costs about what a slice does, so chats between parts wait no
+        longer). Each expert takes all of the prompt's rows routed to it at once, a
+        product BLAS runs at its best, where slices of rows gave each a few dozen."""
+        counts = torch.bincount(r.route_ids.flatten()).tolist()
+        budget = self.prefill_chunk * r.route_ids.shape[1]
+        part: set[int] = set()
+        routes = 0
+        for key in r.claim:
+            n = counts[key[1]] if key[1] < len(counts) else 0
+            if not self.cache.is_ready(key) or (part and routes + n > budget):
+                break
+            part.add(key[1])
+            routes += n
+        return part
 
     def _pick(self, prompt: Request, group: list[Request]) -> list[Request] | Request:
         """A slice of ``prompt`` or ``group``'s job: the slices get ``PREFILL_SHARE`` of
@@ -526,19 +552,29 @@ class Engine:
         return group
 
     def _run_slice(self, r: Request) -> None:
-        """The next slice of a long prompt's job; when its last row is done the request
-        moves on as after a whole job (its pins released, its first token sampled after
-        the last layer)."""
+        """The next part of a long prompt's job: some of its layer's experts (their pins
+        released once applied), or a slice of rows; when its last row is done the
+        request moves on as after a whole job (its first token sampled after the last
+        layer)."""
         t0 = time.perf_counter()
         layer = -1 if r.entering else r.layer  # -1: before layer 0, as at admission
-        rows = min(self.prefill_chunk, r.n - r.row)
-        logits = self.jobs.run_rows(r, self.prefill_chunk)
+        part = None
+        if r.entering or len(r.done) == len(r.needed):
+            rows = min(self.prefill_chunk, r.n - r.row)
+            logits = self.jobs.run_rows(r, self.prefill_chunk)
+        else:
+            part = self._experts_part(r)
+            rows, logits = r.n, None
+            self.jobs.apply(r, part)
         if self.slots.device.type == "cuda":  # as in ``_run``
             torch.cuda.current_stream(self.slots.device).synchronize()
+        if part is not None:  # applied: the link may reuse their slots
+            self.claims.release(r, part)
         t1 = r.computed_at = time.perf_counter()
         if self._contended:
             self._slice_s += t1 - t0
-        moved = r.row == 0 or logits is not None  # its layer done (``run_rows`` resets row)
+        # its layer done (``run_rows`` resets row) after its last slice of rows
+        moved = part is None and (r.row == 0 or logits is not None)
         if moved:
             self.claims.release(r)
             r.ready_since = 0
@@ -762,7 +798,10 @@ class Engine:
             read = 1.0
             if not r.out_ids:
                 passed = 0 if r.entering else r.layer + 1
-                read = (passed + r.row / max(r.n, 1)) / (n_layers + 1)
+                part = r.row / max(r.n, 1)
+                if not r.entering and r.needed and self._sliced(r):  # its MoE, then its rows
+                    part = (len(r.done) / len(r.needed) + part) / 2
+                read = (passed + part) / (n_layers + 1)
             progress.append(
                 RequestProgress(
                     r.id,

@@ -3,6 +3,8 @@ generation's results, let those requests decode, and free their pins when aborte
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -23,7 +25,8 @@ def test_chunked_prefill_matches_plain_generation(
     models, references, model_name: str, policy: str, cache: str, storage: str
 ) -> None:
     """Prompts read three rows at a time (chunked prefill), beside decoding requests:
-    plain generation's tokens and logits, no pins left; and the slices did run."""
+    plain generation's tokens and logits, no pins left; and the parts did run: each
+    layer's MoE a few experts at a time on all of a prompt's rows, the rest in slices."""
     model = models[model_name]
     size = str(model.config.top_k) if cache == "min" else cache
     config = EngineConfig(policy=policy, cache=size, storage=storage, prefill_chunk=3)
@@ -36,11 +39,17 @@ def test_chunked_prefill_matches_plain_generation(
             assert (ours - logits).abs().max().item() <= 1e-4, f"r{i}"
         assert sum(eng.cache.refs) == 0
         sliced = [e for e in eng.telemetry.compute if e.requests == ("r2",) and e.tokens <= 3]
-        # r2's 12 rows go through attention of layer 0 in slices at any cache size; its
-        # MoE too wherever a layer's experts fit the cache at once.
+        # r2's 12 rows go through attention of layer 0 in slices, and through each layer
+        # after its MoE, at any cache size.
         assert len([e for e in sliced if e.layer == -1]) == 4
-        if cache != "min":
-            assert any(e.layer >= 0 for e in sliced)
+        assert len([e for e in sliced if e.layer == 0 and e.tokens == 3]) == 4
+        # Its MoE layers': parts of a few experts (about a slice's routes) on all 12 rows.
+        parts = Counter(
+            e.layer for e in eng.telemetry.compute if e.requests == ("r2",) and e.tokens == 12
+        )
+        sparse = model.config.sparse_layers
+        assert set(parts) == {i for i in range(model.config.n_layers) if sparse[i]}
+        assert max(parts.values()) > 1
     finally:
         eng.close()
 
