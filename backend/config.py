@@ -128,9 +128,10 @@ class EngineConfig:
     # "auto" is "stored": decoding on the link thread takes a core from compute.
     slot_format: str = "auto"
     metrics_interval_s: float = 0.1
-    # Chunked prefill: a prompt longer than this many tokens is read in slices of it, layer
-    # by layer, each layer's experts claimed once for all of them, with other requests'
-    # jobs run between slices so that one long prompt does not stall every chat. 0: each
+    # Chunked prefill: a prompt longer than this many tokens is read in parts, layer by
+    # layer: the MoE a few experts at a time (about this many rows' routes each) on all
+    # of its rows, then the rest in slices of this many rows, with other requests' jobs
+    # run between parts so that one long prompt does not stall every chat. 0: each
     # prompt's layer in one job. Policies that move requests together (sync,
     # prefetch-*, bevy-static) never slice.
     prefill_chunk: int = 512

@@ -201,15 +201,17 @@ class JobRunner:
     def _moe(
         self, layer: int, group: Sequence[Request], riders: Sequence[tuple[Request, set[int]]]
     ) -> list[Request]:
-        """Apply this run's experts; set ``acc`` of the requests whose MoE is complete.
+        """Apply this run's experts; set ``acc`` of the requests whose MoE is complete
+        (a prompt's holds its sums so far until then).
 
         A request that gets all its experts in this run sums them straight into ``y``
         (in expert order, as the sequential model does). A one-token request that gets
-        them over several runs (riding) keeps each expert's contribution in ``parts`` and
-        sums them in the same expert order when the last arrives, as a whole job would.
-        Longer ones (a prompt streaming through a cache smaller than its experts)
-        accumulate as they go: a few KB per expert and token would add up to gigabytes
-        for a long prompt on a wide model."""
+        them over several runs (riding, split) keeps each expert's contribution in
+        ``parts`` and sums them in the same expert order when the last arrives, as a
+        whole job would. Longer ones (a prompt applying the experts that come first in
+        expert order: split runs, chunked prefill, a cache smaller than its experts)
+        add them into ``acc`` as they go: a few KB per expert and token would add up to
+        gigabytes for a long prompt on a wide model."""
         subsets = [{e for _, e in r.claim} for r in group] + [s for _, s in riders]
         members = [*group, *(r for r, _ in riders)]
         whole = [

@@ -7,11 +7,12 @@ pins; the policy orders claims and picks which ready jobs compute together. A jo
 needs more experts than the cache has slots (prefill with a tiny cache) streams them
 through in chunks, accumulating its MoE output.
 
-A prompt longer than ``prefill_chunk`` tokens is read in slices of rows instead (chunked
-prefill): its layer's experts are claimed once for all its rows, as for a whole job, and
-the job runs a slice at a time, so other requests' jobs run between slices. While both
-wait, the slices get at most ``PREFILL_SHARE`` of the compute time: running chats go on at
-a bounded slowdown, and the prompt still makes steady progress.
+A prompt longer than ``prefill_chunk`` tokens is read in parts instead (chunked prefill):
+its layer's MoE a few experts at a time on all of its rows (each expert read and
+multiplied once for the whole prompt), then the rest of the job a slice of rows at a
+time, so other requests' jobs run between parts. While both wait, the parts get at most
+``PREFILL_SHARE`` of the compute time: running chats go on at a bounded slowdown, and the
+prompt still makes steady progress.
 """
 
 from __future__ import annotations
@@ -516,11 +517,9 @@ class Engine:
     def _part_ready(self, r: Request) -> bool:
         """Whether a long prompt's next part can run: a slice of rows (entering, or its
         layer's MoE done), or experts, once the first it has left is ready."""
-        if not r.claimed:
-            return False
-        if r.entering or len(r.done) == len(r.needed):
+        if r.entering or len(r.done) == len(r.needed):  # no experts: no claim to wait for
             return True
-        return bool(r.claim) and self.cache.is_ready(r.claim[0])
+        return r.claimed and bool(r.claim) and self.cache.is_ready(r.claim[0])
 
     def _experts_part(self, r: Request) -> set[int]:
         """The experts a long prompt applies next: its claimed ones that are ready, in

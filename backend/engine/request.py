@@ -60,7 +60,9 @@ class Request:
     # Expert -> its weighted output [n, D], for a request whose experts are applied
     # over several runs (riding); summed in expert order once all are in.
     parts: dict[int, torch.Tensor] = field(default_factory=dict)
-    acc: torch.Tensor | None = None  # MoE output once all experts are applied [n, D]
+    # MoE output [n, D]: once all experts are applied; a prompt applying them over several
+    # runs (split, chunked prefill) holds its sums so far here, added in expert order.
+    acc: torch.Tensor | None = None
     ready_since: int = 0  # engine tick when the job became ready (FIFO compute order)
     # A long prompt read in slices of rows (chunked prefill, see ``Engine``): the rows of
     # this layer's job done so far, and what they produced for the next layer (h, x, ids,

@@ -172,8 +172,9 @@ def split(
     them in expert order at the end). A prompt of at most ``max_rows`` rows (0: none)
     adds its products into its rows as it goes, so it takes only the ready experts that
     come first in expert order among those it has left: the same sums in the same order
-    as one whole job, while its layer's experts are still arriving (a longer prompt is
-    read in slices of rows, each of which needs them all).
+    as one whole job (on the CPU backends; the grouped one's batched products round by
+    their batch, as a decoding split's do), while its layer's experts are still arriving
+    (a longer prompt is read in parts of its own, ``Engine._run_slice``).
 
     An expert that another request at this layer still needs but cannot apply now is left
     out, to run once for all later (as a group or riders): splitting it off here would
@@ -195,12 +196,16 @@ def split(
     layer = best[0][0].layer
     needers: Counter[int] = Counter()
     for r in running:
-        if r.layer == layer:
+        # A longer prompt never joins a group or rides: its experts run for it alone.
+        if r.layer == layer and r.n <= max(max_rows, 1):
             needers.update(set(r.needed) - r.done)
-    here: Counter[int] = Counter(e for _, ready in best for e in ready)
-    best = [(r, {e for e in ready if here[e] == needers[e]}) for r, ready in best]
-    best = [(r, _first(r, ready) if r.n > 1 else ready) for r, ready in best]
-    return [(r, ready) for r, ready in best if ready]
+    while True:  # a prompt cut short leaves its later experts to others' needers
+        here: Counter[int] = Counter(e for _, ready in best for e in ready)
+        kept = [(r, {e for e in ready if here[e] == needers[e]}) for r, ready in best]
+        kept = [(r, _first(r, ready) if r.n > 1 else ready) for r, ready in kept]
+        if kept == best:
+            return [(r, ready) for r, ready in best if ready]
+        best = kept
 
 
 def _first(r: Request, ready: set[int]) -> set[int]:

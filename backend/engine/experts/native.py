@@ -1,9 +1,9 @@
 """The native expert backend: hand-written CPU kernels on experts' stored Q4 bytes.
 
-A decoding run's experts go to the kernels in one call (``native.moe``), riders'
-products included, with no Python or torch op per expert. A run the whole-layer kernel
-does not take (a prompt beside riders, an expert with more rows than
-``NATIVE_MAX_ROWS``) goes expert by expert: the kernel for a few rows, dequantize-then-matmul
+A run's experts go to the kernels in one call (``native.moe``), riders' products and
+prompts' sums so far included, with no Python or torch op per expert. A run the
+whole-layer kernel does not take (a prompt after a one-token rider, an expert with more
+rows than ``NATIVE_MAX_ROWS``) goes expert by expert: the kernel for a few rows, dequantize-then-matmul
 (``EagerExperts``) for more, where BLAS is the faster product. Both give the bits of
 each expert alone on its rows, scaled and added in expert order.
 """
@@ -110,6 +110,13 @@ class NativeExperts(EagerExperts):
         n_sum = n_whole + sum(1 for r in members[n_whole:] if r.n > 1)
         if any(r.n > 1 for r in members[n_sum:]):
             return None
+        # A long prompt's part nearly always has an expert past the kernel's rows: say so
+        # before walking its routes one by one in Python.
+        for r, s in zip(members, subsets, strict=True):
+            if r.n > NATIVE_MAX_ROWS:
+                counts = torch.bincount(r.route_ids.flatten()).tolist()
+                if any(counts[e] > NATIVE_MAX_ROWS for e in s if e < len(counts)):
+                    return None
         by_expert: dict[int, list[int]] = {}
         i = 0  # route i is row i // k: rows ascending
         for m, (r, s) in enumerate(zip(members, subsets, strict=True)):

@@ -10,9 +10,12 @@ import torch
 
 from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine
+from backend.kernels.quants import QType
 from backend.messages import Abort, Finished, Submit, TokenEvent
-from backend.models.loader import LoadedModel
+from backend.models.gguf_export import write_gguf
+from backend.models.loader import LoadedModel, load_model
 from tests.helpers.engine_runs import ALL_POLICIES, PROMPTS, drain, run_staggered
+from tests.helpers.tiny import make_tiny
 
 SLICING = [p for p in ALL_POLICIES if not p.startswith(("sync", "prefetch", "bevy-static"))]
 
@@ -94,18 +97,82 @@ def test_a_long_prompt_read_in_slices_lets_running_requests_decode(models) -> No
     assert sliced >= 5 and sliced > 2 * whole
 
 
-def test_aborting_a_prompt_between_slices_frees_its_pins(models) -> None:
+@pytest.mark.parametrize("where", ["between slices", "mid-MoE"])
+def test_aborting_a_prompt_between_parts_frees_its_pins(models, where: str) -> None:
+    """Aborted between two slices of rows, or with some of its layer's experts applied and
+    the rest still pinned: its pins are freed and its parts dropped."""
     eng = Engine(models["mixtral-q8-gguf"], EngineConfig(cache="0.3", prefill_chunk=2))
     try:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         eng.submit(Submit("long", params, prompt_ids=PROMPTS[2] * 3))
-        for _ in range(12):
-            eng.step()
+        eng.step()
         (r,) = eng.running
-        assert r.row > 0 or r.entering  # mid-layer
+        mid_moe = lambda: not r.entering and 0 < len(r.done) < len(r.needed)  # noqa: E731
+        mid_rows = lambda: r.row > 0  # noqa: E731
+        for _ in range(500):
+            if (mid_moe if where == "mid-MoE" else mid_rows)():
+                break
+            eng.step()
+        else:
+            pytest.fail(f"the prompt never stood {where}")
+        if where == "mid-MoE":
+            assert r.claim and r.acc is not None and sum(eng.cache.refs) > 0
         eng.submit(Abort("long"))
         eng.run_until_idle(30)
         assert [e.reason for e in drain(eng) if isinstance(e, Finished)] == ["abort"]
-        assert sum(eng.cache.refs) == 0 and not r.staged and r.emb is None
+        assert sum(eng.cache.refs) == 0 and not r.staged and r.emb is None and r.acc is None
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("backend", ["native", "eager"])
+def test_a_prompt_applying_its_experts_in_parts_gets_the_whole_jobs_bits(
+    tmp_path, monkeypatch, backend: str
+) -> None:
+    """A long prompt's MoE two experts per part, against all of a layer's experts in one
+    part (a whole job's MoE): each expert's products are added to the rows' sums in
+    expert order either way (a part goes on from the sums, it does not add its own
+    sum of two to them), so its logits are the same to the bit. Top-4 routing: with two
+    experts a row, any order of its two additions gives the same bits."""
+    from backend.engine.experts import why_not
+
+    tiny = load_model(make_tiny("mixtral", tmp_path / "top4", num_experts_per_tok=4))
+    model = load_model(write_gguf(tiny, tmp_path / "top4.q4.gguf", QType.Q4_1))
+    slots = torch.empty((1, 1), dtype=torch.uint8)
+    if why_not(backend, model.experts, slots, model.transformer.dtype) is not None:
+        pytest.skip(f"the {backend} expert backend cannot run here")
+    prompt = [(7 * i) % 50 + 1 for i in range(24)]
+    real_part = Engine._experts_part
+    logits, parts = {}, {}
+    for mode in ("two", "all"):
+        if mode == "two":
+            monkeypatch.setattr(
+                Engine, "_experts_part", lambda eng, r: set(sorted(real_part(eng, r))[:2])
+            )
+        else:
+            monkeypatch.setattr(
+                Engine,
+                "_part_ready",
+                lambda eng, r: (
+                    r.entering
+                    or len(r.done) == len(r.needed)
+                    or (r.claimed and all(eng.cache.is_ready(k) for k in r.claim))
+                ),
+            )
+            monkeypatch.setattr(Engine, "_experts_part", lambda eng, r: {e for _, e in r.claim})
+        config = EngineConfig(cache="1.0", storage="host", prefill_chunk=8, expert_backend=backend)
+        eng = Engine(model, config)
+        try:
+            eng.logits_log = {}
+            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+            eng.submit(Submit("p", params, prompt_ids=prompt))
+            eng.run_until_idle(60)
+            logits[mode] = eng.logits_log["p"][0]
+            parts[mode] = Counter(
+                e.layer for e in eng.telemetry.compute if e.layer >= 0 and e.tokens == 24
+            )
+        finally:
+            eng.close()
+        monkeypatch.undo()
+    assert set(parts["all"].values()) == {1} and max(parts["two"].values()) > 1
+    assert torch.equal(logits["two"], logits["all"])

@@ -160,7 +160,7 @@ def test_split_leaves_an_expert_another_request_still_needs() -> None:
 def test_split_gives_a_short_prompt_its_ready_experts_in_expert_order() -> None:
     """A prompt adds each expert's products into its rows as they come, so a split gives
     it only the ready experts before its first one still loading; a prompt longer than
-    ``max_rows`` (read in slices, each needing every expert) gets none."""
+    ``max_rows`` (read in parts of its own) gets none."""
     ready = {(2, 1), (2, 2), (2, 5), (2, 7)}.__contains__
     prompt = job(0, 2, (1, 2, 4, 5, 7), claim=(1, 2, 4, 5, 7), n=40)  # 4 loading
     assert split([prompt], ready, max_rows=512) == [(prompt, {1, 2})]
@@ -183,3 +183,16 @@ def test_split_gives_a_short_prompt_its_ready_experts_in_expert_order() -> None:
         ("r0", [1, 2]),
         ("r4", [6]),
     ]
+
+
+def test_split_leaves_an_expert_a_prompt_cut_short_still_needs() -> None:
+    """A prompt that stops before an expert another request needs also stops before its
+    later ones; a decoding job that needs one of those leaves it to run once for both."""
+    ready = {(2, 1), (2, 5), (2, 7)}.__contains__
+    prompt = job(0, 2, (1, 5, 7, 9), claim=(1, 5, 7, 9), n=40)  # 9 loading
+    token = job(1, 2, (7, 8), claim=(7, 8))  # 8 loading
+    unclaimed = job(2, 2, (5,))  # needs 5, cannot apply it now
+    assert split([prompt, token, unclaimed], ready, 512) == [(prompt, {1})]
+    # A prompt longer than max_rows reads its own parts: it holds no decoding job back.
+    long = job(3, 2, (7,), claim=(7,), n=600)
+    assert split([token, long], ready, 512) == [(token, {7})]
