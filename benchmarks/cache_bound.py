@@ -6,7 +6,8 @@ and records each layer's routing. It then replays that order against a cache of
 ``--cache`` of all experts, each step's layer needing the union of its requests'
 experts (pinned while it runs), and counts fetches per decoding step:
 
-- LFU, evicting the expert used least often so far (the engine's default order);
+- LFU, evicting the expert used least often so far: the engine's default order, run
+  by the engine's own ``ExpertCache``;
 - Belady's MIN, evicting the one needed again furthest in the future: no online
   policy can fetch fewer.
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backend.bench.runner import prompts_for  # noqa: E402
 from backend.config import EngineConfig, SamplingParams  # noqa: E402
 from backend.demo.build import ensure_demo  # noqa: E402
+from backend.engine.cache import ExpertCache  # noqa: E402
 from backend.engine.loop import Engine  # noqa: E402
 from backend.messages import Submit  # noqa: E402
 from backend.models.loader import load_model  # noqa: E402
@@ -70,8 +72,11 @@ def record_routing(model, prompts: list[list[int]], tokens: int) -> list[tuple[i
     return routes
 
 
-def replay(routes: list[tuple[int, int, tuple]], capacity: int) -> tuple[int, int, int, int]:
-    """(steps, expert lookups, LFU fetches, MIN fetches) over the lockstep order."""
+def replay(
+    routes: list[tuple[int, int, tuple]], capacity: int, policy: str
+) -> tuple[int, int, int]:
+    """(steps, expert lookups, fetches) over the lockstep order: ``policy`` is the engine's
+    own cache (``ExpertCache``, the eviction code a live engine runs) or "min"."""
     need: dict[tuple[int, int], set[int]] = defaultdict(set)
     uses: dict[tuple[int, int], list[int]] = defaultdict(list)
     for t, layer, experts in routes:
@@ -80,46 +85,46 @@ def replay(routes: list[tuple[int, int, tuple]], capacity: int) -> tuple[int, in
     order = sorted(need)
     batches = [[(layer, e) for e in sorted(need[(t, layer)])] for t, layer in order]
     steps = len({t for t, _ in order})
-
-    count: Counter[Key] = Counter()
-    last: dict[Key, int] = {}
-    cache: set[Key] = set()
-    lfu = 0
-    for i, (at, batch) in enumerate(zip(order, batches, strict=True)):
-        for e in uses[at]:
-            count[(at[1], e)] += 1
-        for k in batch:
-            if k not in cache:
-                lfu += 1
-                if len(cache) >= capacity:
-                    free = [c for c in cache if c not in batch]
-                    cache.remove(min(free, key=lambda c: (count[c], last.get(c, -1))))
-                cache.add(k)
-            last[k] = i
+    lookups = sum(map(len, batches))
+    if policy != "min":
+        cache = ExpertCache(capacity, policy)
+        fetched = 0
+        for at, batch in zip(order, batches, strict=True):
+            for e in uses[at]:
+                cache.record_use((at[1], e))
+            for k in batch:  # the step's layer holds its experts while it runs
+                if cache.is_present(k):
+                    cache.pin(k)
+                else:
+                    cache.reserve(k)
+                    cache.complete(k)
+                    fetched += 1
+            for k in batch:
+                cache.unpin(k)
+        return steps, lookups, fetched
 
     when: dict[Key, list[int]] = defaultdict(list)
     for i, batch in enumerate(batches):
         for k in batch:
             when[k].append(i)
     seen: Counter[Key] = Counter()
-    cache = set()
-    best = 0
+    held: set[Key] = set()
+    fetched = 0
     for batch in batches:
         for k in batch:
             seen[k] += 1
         for k in batch:
-            if k not in cache:
-                best += 1
-                if len(cache) >= capacity:
+            if k not in held:
+                fetched += 1
+                if len(held) >= capacity:
 
                     def next_use(c: Key) -> int:
                         later = when[c][seen[c] :]
                         return later[0] if later else sys.maxsize
 
-                    free = [c for c in cache if c not in batch]
-                    cache.remove(max(free, key=next_use))
-                cache.add(k)
-    return steps, sum(map(len, batches)), lfu, best
+                    held.remove(max((c for c in held if c not in batch), key=next_use))
+                held.add(k)
+    return steps, lookups, fetched
 
 
 def main() -> None:
@@ -139,7 +144,8 @@ def main() -> None:
     print("cache  slots  lookups/step  LFU fetches/step  MIN fetches/step  MIN / LFU")
     for fraction in (float(f) for f in args.cache.split(",")):
         slots = int(fraction * n_experts)
-        steps, lookups, lfu, best = replay(routes, slots)
+        steps, lookups, lfu = replay(routes, slots, "lfu")
+        _, _, best = replay(routes, slots, "min")
         print(
             f"{fraction:5.0%}  {slots:5d}  {lookups / steps:12.1f}  {lfu / steps:16.1f}"
             f"  {best / steps:16.1f}  {best / lfu:9.2f}"
