@@ -73,12 +73,13 @@ class JobRunner:
         self.enter(group, 0, [SeqSlice(r.kv, r.start, r.n) for r in group], h)
 
     @torch.inference_mode()
-    def apply(self, r: Request, experts: set[int]) -> None:
-        """Part of a long prompt's MoE: ``experts``, the next ones in expert order among
-        those it has left, on all of its rows, added to its sums (``acc``) as a whole
-        job adds them, so that once every expert is applied ``acc`` holds the whole
-        job's bits and ``run_rows`` goes on from it."""
-        self._moe(r.layer, [], [(r, experts)])
+    def apply(self, part: Sequence[tuple[Request, set[int]]]) -> None:
+        """Part of long prompts' MoE at one layer: for each prompt, its experts in the
+        part, the next ones in expert order among those it has left, on all of its
+        rows, added to its sums (``acc``) as a whole job adds them, so that once every
+        expert is applied ``acc`` holds the whole job's bits and ``run_rows`` goes on
+        from it. An expert several prompts take multiplies all their rows at once."""
+        self._moe(part[0][0].layer, [], part)
 
     @torch.inference_mode()
     def run_rows(self, r: Request, rows: int) -> torch.Tensor | None:

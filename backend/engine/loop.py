@@ -9,8 +9,9 @@ through in chunks, accumulating its MoE output.
 
 A prompt longer than ``prefill_chunk`` tokens is read in parts instead (chunked prefill):
 its layer's MoE a few experts at a time on all of its rows (each expert read and
-multiplied once for the whole prompt), then the rest of the job a slice of rows at a
-time, so other requests' jobs run between parts. While both wait, the parts get at most
+multiplied once for the whole prompt, and for every other long prompt at that layer:
+the one furthest behind reads first, so prompts read at once meet at each layer), then
+the rest of the job a slice of rows at a time, so other requests' jobs run between parts. While both wait, the parts get at most
 ``PREFILL_SHARE`` of the compute time: running chats go on at a bounded slowdown, and the
 prompt still makes steady progress.
 """
@@ -506,7 +507,7 @@ class Engine:
         if not sliced:
             return self.policy.compute_group(batch, others, together)
         group = self.policy.compute_group(batch, others, together) if others else []
-        return self._pick(min(sliced, key=lambda r: r.arrival), group)
+        return self._pick(min(sliced, key=self._progress), group)
 
     def _sliced(self, r: Request) -> bool:
         """Whether ``r`` is a long prompt read in parts (chunked prefill): its layer's MoE
@@ -521,23 +522,68 @@ class Engine:
             return True
         return r.claimed and bool(r.claim) and self.cache.is_ready(r.claim[0])
 
-    def _experts_part(self, r: Request) -> set[int]:
-        """The experts a long prompt applies next: its claimed ones that are ready, in
-        expert order up to the first still loading, and no more routes than a slice of
-        rows has (a part costs about what a slice does, so chats between parts wait no
-        longer). Each expert takes all of the prompt's rows routed to it at once, a
-        product BLAS runs at its best, where slices of rows gave each a few dozen."""
-        counts = torch.bincount(r.route_ids.flatten()).tolist()
+    def _progress(self, r: Request) -> tuple[int, int, int, int]:
+        """How far a long prompt has read, least first: its layer, then its MoE before its
+        rows, then its next expert or row. The prompt furthest behind reads next, so
+        prompts read at the same time meet at a layer and share its parts
+        (``_experts_part``), as a batch would, instead of each in turn reading every
+        expert of every layer for itself."""
+        if r.entering:
+            return (-1, 1, r.row, r.arrival)
+        if len(r.done) < len(r.needed):
+            return (r.layer, 0, next(e for e in r.needed if e not in r.done), r.arrival)
+        return (r.layer, 1, r.row, r.arrival)
+
+    def _experts_part(self, r: Request) -> list[Ride]:
+        """The experts long prompts apply next: ``r``'s claimed ones that are ready, in
+        expert order up to the first still loading, joined by every other long prompt at
+        the same layer whose next experts are among them. Each member takes a prefix of
+        the experts it has left, so its sums are added in expert order, as a whole job
+        adds them. A part has no more routes than a slice of rows has (it costs about
+        what a slice does, so chats between parts wait no longer), and at least one
+        expert. Each expert takes all the members' rows routed to it at once, a product
+        BLAS runs at its best, where slices of rows gave each a few dozen: with several
+        prompts at a layer, it is dequantized once for all of them."""
+        layer = r.layer
+        members = [r] + [
+            q
+            for q in self.running
+            if q is not r
+            and q.layer == layer
+            and self._sliced(q)
+            and not q.entering
+            and q.claimed
+            and q.claim
+            and len(q.done) < len(q.needed)
+        ]
+        counts = [torch.bincount(q.route_ids.flatten()).tolist() for q in members]
         budget = self.prefill_chunk * r.route_ids.shape[1]
-        part: set[int] = set()
+        first = r.claim[0][1]
+        at = [0] * len(members)  # each member's next entry in its claim
+        # A member whose next expert comes before the part's first cannot join it.
+        live = [q.claim[0][1] >= first for q in members]
+        taken: list[set[int]] = [set() for _ in members]
         routes = 0
-        for key in r.claim:
-            n = counts[key[1]] if key[1] < len(counts) else 0
-            if not self.cache.is_ready(key) or (part and routes + n > budget):
+        for e in sorted({k[1] for q in members for k in q.claim if k[1] >= first}):
+            takers = [
+                i
+                for i, q in enumerate(members)
+                if live[i] and at[i] < len(q.claim) and q.claim[at[i]][1] == e
+            ]
+            if not self.cache.is_ready((layer, e)):
+                for i in takers:
+                    live[i] = False  # its later experts must wait for this one
+                if not live[0]:
+                    break
+                continue
+            n = sum(counts[i][e] for i in takers if e < len(counts[i]))
+            if taken[0] and routes + n > budget:
                 break
-            part.add(key[1])
+            for i in takers:
+                taken[i].add(e)
+                at[i] += 1
             routes += n
-        return part
+        return [(q, s) for q, s in zip(members, taken, strict=True) if s]
 
     def _pick(self, prompt: Request, group: list[Request]) -> list[Request] | Request:
         """A slice of ``prompt`` or ``group``'s job: the slices get ``PREFILL_SHARE`` of
@@ -558,18 +604,21 @@ class Engine:
         t0 = time.perf_counter()
         layer = -1 if r.entering else r.layer  # -1: before layer 0, as at admission
         part = None
+        ids: tuple[str, ...] = (r.id,)
         if r.entering or len(r.done) == len(r.needed):
             rows = min(self.prefill_chunk, r.n - r.row)
             logits = self.jobs.run_rows(r, self.prefill_chunk)
         else:
             part = self._experts_part(r)
-            rows, logits = r.n, None
-            self.jobs.apply(r, part)
+            rows, logits = sum(q.n for q, _ in part), None
+            ids = tuple(q.id for q, _ in part)
+            self.jobs.apply(part)
         if self.slots.device.type == "cuda":  # as in ``_run``
             torch.cuda.current_stream(self.slots.device).synchronize()
-        if part is not None:  # applied: the link may reuse their slots
-            self.claims.release(r, part)
         t1 = r.computed_at = time.perf_counter()
+        for q, subset in part or ():  # applied: the link may reuse their slots
+            self.claims.release(q, subset)
+            q.computed_at = t1
         if self._contended:
             self._slice_s += t1 - t0
         # its layer done (``run_rows`` resets row) after its last slice of rows
@@ -583,7 +632,7 @@ class Engine:
             if self._postprocess(r, logits[0]):
                 r.start, r.n = r.start + r.n, 1
                 self.jobs.start([r], [[r.out_ids[-1]]])
-        self.telemetry.record_compute(t0, time.perf_counter(), layer, (r.id,), rows)
+        self.telemetry.record_compute(t0, time.perf_counter(), layer, ids, rows)
 
     def _run_split(self, part: list[Ride]) -> None:
         """Apply ``part``'s ready experts to their requests (as riders of an empty group),
