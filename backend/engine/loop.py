@@ -37,7 +37,7 @@ from backend.engine.jobs import JobRunner
 from backend.engine.memory import rss_bytes
 from backend.engine.prefetch import Prefetcher
 from backend.engine.request import Request, RequestStatus
-from backend.engine.scheduler import Ride, make_policy, riders, split
+from backend.engine.scheduler import Ride, make_policy, progress, prompt_part, riders, split
 from backend.engine.store import open_store
 from backend.engine.telemetry import Telemetry
 from backend.errors import BevyError
@@ -507,7 +507,7 @@ class Engine:
         if not sliced:
             return self.policy.compute_group(batch, others, together)
         group = self.policy.compute_group(batch, others, together) if others else []
-        return self._pick(min(sliced, key=self._progress), group)
+        return self._pick(min(sliced, key=progress), group)
 
     def _sliced(self, r: Request) -> bool:
         """Whether ``r`` is a long prompt read in parts (chunked prefill): its layer's MoE
@@ -522,68 +522,27 @@ class Engine:
             return True
         return r.claimed and bool(r.claim) and self.cache.is_ready(r.claim[0])
 
-    def _progress(self, r: Request) -> tuple[int, int, int, int]:
-        """How far a long prompt has read, least first: its layer, then its MoE before its
-        rows, then its next expert or row. The prompt furthest behind reads next, so
-        prompts read at the same time meet at a layer and share its parts
-        (``_experts_part``), as a batch would, instead of each in turn reading every
-        expert of every layer for itself."""
-        if r.entering:
-            return (-1, 1, r.row, r.arrival)
-        if len(r.done) < len(r.needed):
-            return (r.layer, 0, next(e for e in r.needed if e not in r.done), r.arrival)
-        return (r.layer, 1, r.row, r.arrival)
-
     def _experts_part(self, r: Request) -> list[Ride]:
-        """The experts long prompts apply next: ``r``'s claimed ones that are ready, in
-        expert order up to the first still loading, joined by every other long prompt at
-        the same layer whose next experts are among them. Each member takes a prefix of
-        the experts it has left, so its sums are added in expert order, as a whole job
-        adds them. A part has no more routes than a slice of rows has (it costs about
-        what a slice does, so chats between parts wait no longer), and at least one
-        expert. Each expert takes all the members' rows routed to it at once, a product
-        BLAS runs at its best, where slices of rows gave each a few dozen: with several
-        prompts at a layer, it is dequantized once for all of them."""
-        layer = r.layer
-        members = [r] + [
+        """The next part of long prompts' MoE, led by ``r`` (``scheduler.prompt_part``):
+        with it, the other long prompts at its layer with experts of theirs left."""
+        others = [
             q
             for q in self.running
             if q is not r
-            and q.layer == layer
+            and q.layer == r.layer
             and self._sliced(q)
             and not q.entering
             and q.claimed
-            and q.claim
             and len(q.done) < len(q.needed)
         ]
-        counts = [torch.bincount(q.route_ids.flatten()).tolist() for q in members]
-        budget = self.prefill_chunk * r.route_ids.shape[1]
-        first = r.claim[0][1]
-        at = [0] * len(members)  # each member's next entry in its claim
-        # A member whose next expert comes before the part's first cannot join it.
-        live = [q.claim[0][1] >= first for q in members]
-        taken: list[set[int]] = [set() for _ in members]
-        routes = 0
-        for e in sorted({k[1] for q in members for k in q.claim if k[1] >= first}):
-            takers = [
-                i
-                for i, q in enumerate(members)
-                if live[i] and at[i] < len(q.claim) and q.claim[at[i]][1] == e
-            ]
-            if not self.cache.is_ready((layer, e)):
-                for i in takers:
-                    live[i] = False  # its later experts must wait for this one
-                if not live[0]:
-                    break
-                continue
-            n = sum(counts[i][e] for i in takers if e < len(counts[i]))
-            if taken[0] and routes + n > budget:
-                break
-            for i in takers:
-                taken[i].add(e)
-                at[i] += 1
-            routes += n
-        return [(q, s) for q, s in zip(members, taken, strict=True) if s]
+        return prompt_part(
+            r,
+            others,
+            self.cache.is_ready,
+            lambda q: torch.bincount(q.route_ids.flatten()).tolist(),
+            # a part costs about what a slice does, so chats between parts wait no longer
+            self.prefill_chunk * r.route_ids.shape[1],
+        )
 
     def _pick(self, prompt: Request, group: list[Request]) -> list[Request] | Request:
         """A slice of ``prompt`` or ``group``'s job: the slices get ``PREFILL_SHARE`` of

@@ -8,7 +8,8 @@ Pure Python over ``Request`` state, so every policy is tested without torch work
   the requests advance together instead (``backend.engine.balance``). Requests at that layer still waiting for other experts
   ride along on the experts they share with the group (``ride``). When no job is ready,
   waiting jobs apply the experts they already have (``split``): decoding jobs any of
-  them, short prompts those that come first in expert order.
+  them, short prompts those that come first in expert order. Long prompts read in parts
+  go furthest behind first and share each layer's parts (``progress``, ``prompt_part``).
 - ``sync``: llama.cpp-like: all running requests advance as one batch, layer by layer;
   experts are fetched on demand and compute waits for them.
 - ``prefetch-gate`` / ``prefetch-history``: ``sync`` plus prefetching of predicted
@@ -219,6 +220,66 @@ def _first(r: Request, ready: set[int]) -> set[int]:
             break
         out.add(e)
     return out
+
+
+def progress(r: Request) -> tuple[int, int, int, int]:
+    """How far a long prompt read in parts has got, least first: its layer (-1 while
+    entering), its MoE before its rows, then its next expert or row. The engine reads
+    the prompt furthest behind next, so prompts read at the same time meet at each layer
+    and share its parts (``prompt_part``), as one batch would, instead of each in turn
+    reading every expert of every layer for itself."""
+    if r.entering:
+        return (-1, 1, r.row, r.arrival)
+    if len(r.done) < len(r.needed):
+        return (r.layer, 0, next(e for e in r.needed if e not in r.done), r.arrival)
+    return (r.layer, 1, r.row, r.arrival)
+
+
+def prompt_part(
+    leader: Request,
+    others: Sequence[Request],
+    is_ready: Callable[[tuple[int, int]], bool],
+    counts: Callable[[Request], list[int]],
+    budget: int,
+) -> list[Ride]:
+    """The experts long prompts apply next, on all of their rows: ``leader``'s claimed
+    ones that are ready, in expert order up to the first still loading, joined by each
+    of ``others`` (long prompts at its layer) whose next claimed experts are among them.
+    Each takes a prefix of the experts it has left, so its rows' sums are added in
+    expert order, as one whole job adds them. At least the leader's first expert, and
+    no more routes (``counts``: a request's routes per expert) than ``budget`` after it.
+
+    An expert several prompts take multiplies all their rows at once: on a CPU it is
+    dequantized once for them, and BLAS runs one large product instead of several."""
+    layer = leader.layer
+    members = [leader, *(q for q in others if q.claim)]
+    first = leader.claim[0][1]
+    at = [0] * len(members)  # each member's next entry in its claim
+    # One whose next expert comes before the part's first cannot join it.
+    live = [q.claim[0][1] >= first for q in members]
+    routes = [counts(q) for q in members]
+    taken: list[set[int]] = [set() for _ in members]
+    total = 0
+    for e in sorted({k[1] for q in members for k in q.claim if k[1] >= first}):
+        takers = [
+            i
+            for i, q in enumerate(members)
+            if live[i] and at[i] < len(q.claim) and q.claim[at[i]][1] == e
+        ]
+        if not is_ready((layer, e)):
+            for i in takers:
+                live[i] = False  # its later experts must wait for this one
+            if not live[0]:
+                break
+            continue
+        n = sum(routes[i][e] for i in takers if e < len(routes[i]))
+        if taken[0] and total + n > budget:
+            break
+        for i in takers:
+            taken[i].add(e)
+            at[i] += 1
+        total += n
+    return [(q, s) for q, s in zip(members, taken, strict=True) if s]
 
 
 def make_policy(name: str) -> Policy:

@@ -4,7 +4,7 @@ import pytest
 
 from backend.config import SamplingParams
 from backend.engine.request import Request
-from backend.engine.scheduler import make_policy, riders, split
+from backend.engine.scheduler import make_policy, progress, prompt_part, riders, split
 from backend.policies import POLICIES
 
 
@@ -196,3 +196,55 @@ def test_split_leaves_an_expert_a_prompt_cut_short_still_needs() -> None:
     # A prompt longer than max_rows reads its own parts: it holds no decoding job back.
     long = job(3, 2, (7,), claim=(7,), n=600)
     assert split([token, long], ready, 512) == [(token, {7})]
+
+
+def _prompt(i: int, layer: int, left: list[int], done: tuple[int, ...] = ()) -> Request:
+    """A long prompt before the MoE of ``layer`` with ``left`` claimed, ``done`` applied."""
+    r = req(i, layer)
+    r.n, r.needed, r.done = 40, tuple(sorted([*left, *done])), set(done)
+    r.claim = [(layer, e) for e in left]
+    return r
+
+
+def test_long_prompts_furthest_behind_read_first() -> None:
+    entering = _prompt(0, 0, [])
+    entering.emb = object()  # its embeddings, until layer 0's attention is read
+    moe_early = _prompt(1, 0, [3, 4], done=(1,))
+    moe_late = _prompt(2, 0, [5], done=(1, 3))
+    rows = _prompt(3, 0, [], done=(1, 2))
+    rows.row = 16
+    next_layer = _prompt(4, 1, [0])
+    order = sorted([next_layer, rows, moe_late, moe_early, entering], key=progress)
+    assert [r.id for r in order] == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_a_prompt_part_takes_a_prefix_of_each_members_experts() -> None:
+    """Each member takes the experts it has left in expert order, as far as the part
+    goes: one whose next expert comes before the part's first stays out, and one whose
+    next expert is loading stops there while the others go on."""
+    leader = _prompt(0, 2, [1, 2, 3, 5])
+    behind = _prompt(1, 2, [0, 1])
+    stalls = _prompt(2, 2, [1, 3, 4, 5])
+    skips = _prompt(3, 2, [2, 5])
+    loading = {(2, 4)}
+    part = prompt_part(
+        leader, [behind, stalls, skips], lambda k: k not in loading, lambda r: [1] * 8, 100
+    )
+    assert [(r.id, s) for r, s in part] == [
+        ("r0", {1, 2, 3, 5}),
+        ("r2", {1, 3}),
+        ("r3", {2, 5}),
+    ]
+    # The leader's own expert loading ends the part: nobody goes past it.
+    loading = {(2, 3)}
+    part = prompt_part(leader, [stalls, skips], lambda k: k not in loading, lambda r: [1] * 8, 100)
+    assert [(r.id, s) for r, s in part] == [("r0", {1, 2}), ("r2", {1}), ("r3", {2})]
+
+
+def test_a_prompt_part_keeps_to_its_routes_budget_but_takes_one_expert() -> None:
+    leader, other = _prompt(0, 2, [1, 2, 3]), _prompt(1, 2, [1, 2])
+    ten = lambda r: [10] * 4  # noqa: E731
+    part = prompt_part(leader, [other], lambda k: True, ten, 45)
+    assert [(r.id, s) for r, s in part] == [("r0", {1, 2}), ("r1", {1, 2})]
+    part = prompt_part(leader, [other], lambda k: True, ten, 5)
+    assert [(r.id, s) for r, s in part] == [("r0", {1}), ("r1", {1})]
