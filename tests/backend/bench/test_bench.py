@@ -46,6 +46,8 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
         # memory: the process peak holds at least what the engine held, which the budget bounds
         assert r["peak_rss_mib"] >= r["peak_engine_mib"] > 0
         assert r["cache_budget_mib"] > 0
+        # the median request's first token comes no later than the last request's
+        assert 0 < r["first_token_p50_s"] <= r["prefill_s"]
     sync = [r for r in records if r["policy"] == "sync"]
     assert all(r["ratio_to_sync"] == 1.0 == r["overall_ratio_to_sync"] for r in sync)
     table = format_tables(records)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.config import EngineConfig, SamplingParams
+from backend.engine.fetcher import Fetcher
 from backend.engine.loop import Engine
 from backend.errors import BevyError
 from backend.messages import Abort, ErrorEvent, Finished, MetricsSnapshot, Submit
@@ -330,12 +332,24 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
     assert_same_results(out, out0)
 
 
+def _slowed(method):
+    def slowed(self, *args):
+        time.sleep(0.002)
+        return method(self, *args)
+
+    return slowed
+
+
 @pytest.mark.parametrize("model_name", ["mixtral-q8-gguf", "mixtral-q4-gguf"])
 def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
     """With no job ready, waiting jobs apply their experts already in the cache
     (``scheduler.split``): such runs happen, prompts' among them, and tokens and logits
     are those of whole jobs (each request still sums its experts in expert order)."""
     real = Engine._run_split
+    # A link slower than compute, so that a job's experts land one by one while it waits
+    # and split runs surely happen; at the real link's speed they depend on the timing.
+    for name in ("_land", "_fetch_now"):
+        monkeypatch.setattr(Fetcher, name, _slowed(getattr(Fetcher, name)))
     results = {}
     for split in (True, False):
         splits: list[list[int]] = []  # each split run's requests' rows, as it ran
