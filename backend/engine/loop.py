@@ -11,9 +11,9 @@ A prompt longer than ``prefill_chunk`` tokens is read in parts instead (chunked 
 its layer's MoE a few experts at a time on all of its rows (each expert read and
 multiplied once for the whole prompt, and for every other long prompt at that layer:
 the one furthest behind reads first, so prompts read at once meet at each layer), then
-the rest of the job a slice of rows at a time, so other requests' jobs run between parts. While both wait, the parts get at most
-``PREFILL_SHARE`` of the compute time: running chats go on at a bounded slowdown, and the
-prompt still makes steady progress.
+the rest of the job a slice of rows at a time, so other requests' jobs run between
+parts. While both wait, the parts get at most ``PREFILL_SHARE`` of the compute time:
+running chats go on at a bounded slowdown, and the prompt still makes steady progress.
 """
 
 from __future__ import annotations
