@@ -128,6 +128,20 @@ def test_aborting_a_prompt_between_parts_frees_its_pins(models, where: str) -> N
         eng.close()
 
 
+def _top4(tmp_path, backend: str) -> LoadedModel:
+    """A tiny Mixtral routing each token to four experts, its experts in Q4_1 blocks
+    (with two a row, any order of a row's two additions gives the same bits, so the
+    order of a prompt's sums would go untested); skips where ``backend`` cannot run."""
+    from backend.engine.experts import why_not
+
+    tiny = load_model(make_tiny("mixtral", tmp_path / "top4", num_experts_per_tok=4))
+    model = load_model(write_gguf(tiny, tmp_path / "top4.q4.gguf", QType.Q4_1))
+    slots = torch.empty((1, 1), dtype=torch.uint8)
+    if why_not(backend, model.experts, slots, model.transformer.dtype) is not None:
+        pytest.skip(f"the {backend} expert backend cannot run here")
+    return model
+
+
 @pytest.mark.parametrize("backend", ["native", "eager"])
 def test_a_prompt_applying_its_experts_in_parts_gets_the_whole_jobs_bits(
     tmp_path, monkeypatch, backend: str
@@ -137,13 +151,7 @@ def test_a_prompt_applying_its_experts_in_parts_gets_the_whole_jobs_bits(
     expert order either way (a part goes on from the sums, it does not add its own
     sum of two to them), so its logits are the same to the bit. Top-4 routing: with two
     experts a row, any order of its two additions gives the same bits."""
-    from backend.engine.experts import why_not
-
-    tiny = load_model(make_tiny("mixtral", tmp_path / "top4", num_experts_per_tok=4))
-    model = load_model(write_gguf(tiny, tmp_path / "top4.q4.gguf", QType.Q4_1))
-    slots = torch.empty((1, 1), dtype=torch.uint8)
-    if why_not(backend, model.experts, slots, model.transformer.dtype) is not None:
-        pytest.skip(f"the {backend} expert backend cannot run here")
+    model = _top4(tmp_path, backend)
     prompt = [(7 * i) % 50 + 1 for i in range(24)]
     real_part = Engine._experts_part
     logits, parts = {}, {}
@@ -194,13 +202,7 @@ def test_long_prompts_at_one_layer_share_its_parts_and_keep_their_bits(
     prompt's logits are the ones it gets read alone, and no pins are left. To the bit
     on the native kernels, which work row by row; torch's BLAS picks its kernel by the
     number of rows (a few rows differ from more in the last bits), so eager's are close."""
-    from backend.engine.experts import why_not
-
-    tiny = load_model(make_tiny("mixtral", tmp_path / "top4", num_experts_per_tok=4))
-    model = load_model(write_gguf(tiny, tmp_path / "top4.q4.gguf", QType.Q4_1))
-    slots = torch.empty((1, 1), dtype=torch.uint8)
-    if why_not(backend, model.experts, slots, model.transformer.dtype) is not None:
-        pytest.skip(f"the {backend} expert backend cannot run here")
+    model = _top4(tmp_path, backend)
     prompts = {
         "a": [(7 * i) % 50 + 1 for i in range(24)],
         "b": [(5 * i) % 43 + 2 for i in range(20)],
