@@ -10,7 +10,8 @@
  *     Q4_1: y[r, n] = sum_b d[n, b] * (q[n, b, :] . x[r, b, :])  +  sum_b m[n, b] * sum(x[r, b, :])
  *     Q4_0: y[r, n] = sum_b d[n, b] * ((q[n, b, :] - 8) . x[r, b, :])
  *
- * the weights widened to float once per block (q - 8 taken in integers) and each scale
+ * the weights widened to float once per block (AVX-512 looks each nibble's float up in a
+ * table, AVX2 converts it; q - 8 is exact either way) and each scale
  * applied once per block. Every row of x is reduced on its own, in the same
  * order whatever the other rows are, so a row's result does not depend on its batch-mates.
  * Build with -ffp-contract=off: a scalar multiply-add is then never fused in one place and
@@ -32,7 +33,8 @@
     {                                                                                        \
         const uint8_t *blk = (W) + (size_t)b * bs;                                           \
         float d = f16_at(blk), c = q4_1 ? f16_at(blk + 2) : 0.f;                             \
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (q4_1 ? 4 : 2)))); \
+        __m128i qb = _mm_loadu_si128((const __m128i *)(blk + (q4_1 ? 4 : 2)));               \
+        __m512i q = _mm512_cvtepu8_epi32(qb);                                                \
         __m512 w0 = _mm512_permutexvar_ps(q, nib);                                           \
         __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), nib);                     \
         __m512 dv = _mm512_set1_ps(d);                                                       \
