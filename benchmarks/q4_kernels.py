@@ -16,7 +16,8 @@ Either must export every function ``backend.kernels.native`` binds.
 
 Experts of the demo's shape ([1536, 576] gate and up, [576, 1536] down; Q4_1, every
 fourth Q4_0), 64 of them taken in turn so that their bytes are not all in the CPU cache,
-as in decoding. With ``--against``, both builds run interleaved in one process (the
+as in decoding. ``--kind "Q4_K + Q6_K down"`` (any of ``kquant_experts.KINDS``) times
+experts of that file type and Qwen3-30B-A3B's shape instead. With ``--against``, both builds run interleaved in one process (the
 order alternating between rounds, so that drift of the machine cancels), the medians are
 compared, and every output of the two is checked to be the same bits unless
 ``--allow-different-bits``.
@@ -63,6 +64,25 @@ def experts(n: int) -> list[tuple]:
     return out
 
 
+def k_experts(kind: str, n: int) -> tuple[list[tuple], int]:
+    """n experts of one of ``kquant_experts.KINDS`` at its default shape, and the width of
+    their input."""
+    from kquant_experts import KINDS
+
+    from tests.helpers.qblocks import random_blocks
+
+    inner, hidden = 768, 2048
+    shapes = ((inner, hidden), (inner, hidden), (hidden, inner))
+    out = [
+        tuple(
+            (random_blocks(q, *s, seed=100 * e + i), q, s)
+            for i, (q, s) in enumerate(zip(KINDS[kind], shapes, strict=True))
+        )
+        for e in range(n)
+    ]
+    return out, hidden
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -71,6 +91,7 @@ def main() -> int:
         help="other kernel sources to compare with: a directory of them or one C file",
     )
     ap.add_argument("--rows", default="1,2,3,4,8")
+    ap.add_argument("--kind", help="a kquant_experts.KINDS name (default: the demo's Q4_1)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--allow-different-bits", action="store_true")
@@ -88,12 +109,12 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     if args.decode:
         return decode(builds, args)
-    parts = experts(EXPERTS)
+    parts, hidden = k_experts(args.kind, EXPERTS) if args.kind else (experts(EXPERTS), HIDDEN)
     rows = [int(r) for r in args.rows.split(",")]
     times: dict[tuple[int, str], list[float]] = {}
     for rnd in range(args.rounds):
         for m in rows:
-            x = torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(m))
+            x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(m))
             outs = {}
             for name in builds if rnd % 2 == 0 else reversed(builds):
                 native._lib, native._tried = builds[name], True  # library() keeps it
@@ -105,9 +126,9 @@ def main() -> int:
                 if not all(torch.equal(u, v) for u, v in zip(a, b, strict=True)):
                     print(f"{m} rows: the two builds give different bits", file=sys.stderr)
                     return 1
-    print(
-        f"one expert [{INNER}, {HIDDEN}] per call, {args.threads} threads, median of {args.rounds}"
-    )
+    shape = f"{parts[0][0][2][0]}, {hidden}"
+    kind = args.kind or "demo Q4_1"
+    print(f"one {kind} expert [{shape}] per call, {args.threads} threads, median of {args.rounds}")
     for m in rows:
         line = f"{m} rows: " + "  ".join(
             f"{name} {1e3 * statistics.median(times[(m, name)]):.3f} ms" for name in builds

@@ -146,6 +146,21 @@ _Static_assert(ROWS == 8, "q4_cols has a case for each row count 1..ROWS");
     default: break; /* no rows (callers pass 1..ROWS) */                                     \
     }
 
+/* CALL(M) with the row count m as the constant M (1..ROWS): a kernel inlined with it, so
+   that the compiler unrolls its row loops and keeps its accumulators in registers. */
+#define WITH_M(CALL)                                                                         \
+    switch (m) {                                                                             \
+    case 1: CALL(1); break;                                                                  \
+    case 2: CALL(2); break;                                                                  \
+    case 3: CALL(3); break;                                                                  \
+    case 4: CALL(4); break;                                                                  \
+    case 5: CALL(5); break;                                                                  \
+    case 6: CALL(6); break;                                                                  \
+    case 7: CALL(7); break;                                                                  \
+    case 8: CALL(8); break;                                                                  \
+    default: break; /* no rows (callers pass 1..ROWS) */                                     \
+    }
+
 /* Sub-block j's 6-bit scale and min of a Q4_K super-block's 12 packed bytes s (ggml's
    get_scale_min_k4). */
 static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
@@ -158,21 +173,26 @@ static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-/* The 32 4-bit weights of one Q4_K sub-block (bytes v, low or high nibbles already taken)
-   times each x row, scaled by dv, added to ACC; cv times the rows' sub-block sums to TAIL. */
+/* One Q4_K / Q5_K sub-block: its 32 weights as floats W0 (the first 16) and W1 (AVX-512),
+   times each x row at XOFF, scaled by dv, added to acc; cv times the rows' sub-block sums
+   to tail. KSUB takes the weights as 32 bytes V (values 0-31). */
 #ifdef __AVX512F__
+#define KSUBF(W0, W1, XOFF)                                                                  \
+    {                                                                                        \
+        __m512 dvv = _mm512_set1_ps(dv);                                                     \
+        for (int r = 0; r < m; r++) {                                                        \
+            const float *xb = x + (size_t)r * k + (XOFF);                                    \
+            __m512 s = _mm512_mul_ps(W0, _mm512_loadu_ps(xb));                               \
+            s = _mm512_fmadd_ps(W1, _mm512_loadu_ps(xb + 16), s);                            \
+            acc[r] = _mm512_fmadd_ps(dvv, s, acc[r]);                                        \
+            tail[r] += cv * xsum[(size_t)r * nb + (XOFF) / 32];                              \
+        }                                                                                    \
+    }
 #define KSUB(V, XOFF)                                                                        \
     {                                                                                        \
         __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(V)));     \
         __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(V, 1))); \
-        __m512 dvv = _mm512_set1_ps(dv);                                                     \
-        for (int r = 0; r < m; r++) {                                                        \
-            const float *xb = x + (size_t)r * k + (XOFF);                                    \
-            __m512 s = _mm512_mul_ps(w0, _mm512_loadu_ps(xb));                               \
-            s = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), s);                            \
-            acc[r] = _mm512_fmadd_ps(dvv, s, acc[r]);                                        \
-            tail[r] += cv * xsum[(size_t)r * nb + (XOFF) / 32];                              \
-        }                                                                                    \
+        KSUBF(w0, w1, XOFF)                                                                  \
     }
 #else
 #define KSUB(V, XOFF)                                                                        \
@@ -204,11 +224,15 @@ static inline void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
    -dmin * mn, summed as Q4_1's are (each row on its own, in one order). */
 static inline __attribute__((always_inline)) void qk_cols(const uint8_t *w, const int five,
                                                           const float *x, const float *xsum,
-                                                          int m, int k, float *y, int ldy,
+                                                          const int m, int k, float *y, int ldy,
                                                           int n0, int n1) {
     const int ns = k / 256, nb = k / 32;
     const size_t bs = five ? 176 : 144;
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
+#ifdef __AVX512F__
+    /* Each nibble's weight looked up by the nibble (as in cols). */
+    const __m512 nib = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
     for (int n = n0; n < n1; n++) {
         acc_t acc[ROWS];
         float tail[ROWS];
@@ -226,6 +250,28 @@ static inline __attribute__((always_inline)) void qk_cols(const uint8_t *w, cons
             const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16))
                                     : _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
+                int sc, mn;
+                float dv, cv;
+#ifdef __AVX512F__
+                if (!five) {
+                    const __m128i *q = (const __m128i *)(qs + 32 * j);
+                    const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q));
+                    const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(q + 1));
+                    const __m512 l0 = _mm512_permutexvar_ps(q0, nib);
+                    const __m512 l1 = _mm512_permutexvar_ps(q1, nib);
+                    q4k_scale_min(blk + 4, 2 * j, &sc, &mn);
+                    dv = d * (float)sc;
+                    cv = dmin * (float)mn;
+                    KSUBF(l0, l1, sb * 256 + 64 * j)
+                    const __m512 h0 = _mm512_permutexvar_ps(_mm512_srli_epi32(q0, 4), nib);
+                    const __m512 h1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q1, 4), nib);
+                    q4k_scale_min(blk + 4, 2 * j + 1, &sc, &mn);
+                    dv = d * (float)sc;
+                    cv = dmin * (float)mn;
+                    KSUBF(h0, h1, sb * 256 + 64 * j + 32)
+                    continue;
+                }
+#endif
                 __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
                 __m256i lo = _mm256_and_si256(q, low);
                 __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
@@ -235,9 +281,9 @@ static inline __attribute__((always_inline)) void qk_cols(const uint8_t *w, cons
                     lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
                     hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
                 }
-                int sc, mn;
                 q4k_scale_min(blk + 4, 2 * j, &sc, &mn);
-                float dv = d * (float)sc, cv = dmin * (float)mn;
+                dv = d * (float)sc;
+                cv = dmin * (float)mn;
                 KSUB(lo, sb * 256 + 64 * j)
                 q4k_scale_min(blk + 4, 2 * j + 1, &sc, &mn);
                 dv = d * (float)sc;
@@ -248,6 +294,9 @@ static inline __attribute__((always_inline)) void qk_cols(const uint8_t *w, cons
         for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc_sum(acc[r]) - tail[r];
     }
 }
+
+#define QK4(M) qk_cols(w, 0, x, xsum, M, k, y, ldy, n0, n1)
+#define QK5(M) qk_cols(w, 1, x, xsum, M, k, y, ldy, n0, n1)
 
 /* 16 signed 6-bit weights (int8, bytes Q) times each x row at XOFF, scaled by dv, to ACC. */
 #ifdef __AVX512F__
@@ -281,8 +330,9 @@ static inline __attribute__((always_inline)) void qk_cols(const uint8_t *w, cons
    low (g < 2) or high nibbles of ql's 32 bytes at 32 (g & 1), and bits 2g, 2g + 1 of qh's
    32 bytes as bits 4 and 5; a weight is d * scale * (q - 32), scale sc[2g] for its first
    16 and sc[2g + 1] for the rest (ggml's dequantize_row_q6_K). */
-static void q6k_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
-                     int n1) {
+static inline __attribute__((always_inline)) void q6k_cols(const uint8_t *w, const float *x,
+                                                           const int m, int k, float *y,
+                                                           int ldy, int n0, int n1) {
     const int ns = k / 256;
     const size_t bs = 210;
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
@@ -325,8 +375,9 @@ static void q6k_cols(const uint8_t *w, const float *x, int m, int k, float *y, i
    j of 32 takes bits 2j, 2j + 1 of the 32 bytes at 32 h, less 4 unless bit 4h + j of its
    hmask byte is set; a weight is d * (scale - 32) * q, one scale per 16 weights
    (ggml's dequantize_row_q3_K). */
-static void q3k_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
-                     int n1) {
+static inline __attribute__((always_inline)) void q3k_cols(const uint8_t *w, const float *x,
+                                                           const int m, int k, float *y,
+                                                           int ldy, int n0, int n1) {
     const int ns = k / 256;
     const size_t bs = 110;
     const __m256i three = _mm256_set1_epi8(0x03), one = _mm256_set1_epi8(0x01);
@@ -371,8 +422,9 @@ static void q3k_cols(const uint8_t *w, const float *x, int m, int k, float *y, i
    high scale bits, 4 bytes of low ones, then 16 bytes per sub-block of 32 (low nibbles its
    first 16 weights, high nibbles the rest), each nibble an index into IQ4_NL's 16 values;
    a weight is d * (scale - 32) * value (ggml's dequantize_row_iq4_xs). */
-static void iq4xs_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
-                       int n1) {
+static inline __attribute__((always_inline)) void iq4xs_cols(const uint8_t *w, const float *x,
+                                                             const int m, int k, float *y,
+                                                             int ldy, int n0, int n1) {
     const int ns = k / 256;
     const size_t bs = 136;
     const __m128i values = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
@@ -408,8 +460,9 @@ static void iq4xs_cols(const uint8_t *w, const float *x, int m, int k, float *y,
 /* Q5_0: blocks of 32 weights, 22 bytes: f16 d, 32 bits qh (the fifth bit of weight j is
    bit j), 16 bytes of nibbles (weight j low, j + 16 high); a weight is d * (q - 16)
    (ggml's dequantize_row_q5_0). */
-static void q50_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
-                     int n1) {
+static inline __attribute__((always_inline)) void q50_cols(const uint8_t *w, const float *x,
+                                                           const int m, int k, float *y,
+                                                           int ldy, int n0, int n1) {
     const int nb = k / 32;
     const size_t bs = 22;
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -441,8 +494,16 @@ static void q50_cols(const uint8_t *w, const float *x, int m, int k, float *y, i
     }
 }
 
-static void q8_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
-                    int n1);
+static inline __attribute__((always_inline)) void q8_cols(const uint8_t *w, const float *x,
+                                                          const int m, int k, float *y,
+                                                          int ldy, int n0, int n1);
+
+/* Each kernel for WITH_M, with q4_cols's arguments. */
+#define Q50(M) q50_cols(w, x, M, k, y, ldy, n0, n1)
+#define IQ4XS(M) iq4xs_cols(w, x, M, k, y, ldy, n0, n1)
+#define Q3K(M) q3k_cols(w, x, M, k, y, ldy, n0, n1)
+#define Q8(M) q8_cols(w, x, M, k, y, ldy, n0, n1)
+#define Q6K(M) q6k_cols(w, x, M, k, y, ldy, n0, n1)
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
    weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS,
@@ -450,19 +511,19 @@ static void q8_cols(const uint8_t *w, const float *x, int m, int k, float *y, in
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
     if (type == 8)
-        q50_cols(w, x, m, k, y, ldy, n0, n1);
+        WITH_M(Q50)
     else if (type == 7)
-        iq4xs_cols(w, x, m, k, y, ldy, n0, n1);
+        WITH_M(IQ4XS)
     else if (type == 6)
-        q3k_cols(w, x, m, k, y, ldy, n0, n1);
+        WITH_M(Q3K)
     else if (type == 5)
-        q8_cols(w, x, m, k, y, ldy, n0, n1);
+        WITH_M(Q8)
     else if (type == 4)
-        qk_cols(w, 1, x, xsum, m, k, y, ldy, n0, n1);
+        WITH_M(QK5)
     else if (type == 3)
-        q6k_cols(w, x, m, k, y, ldy, n0, n1);
+        WITH_M(Q6K)
     else if (type == 2)
-        qk_cols(w, 0, x, xsum, m, k, y, ldy, n0, n1);
+        WITH_M(QK4)
     else if (type == 1)
         BY_ROWS(1)
     else
@@ -677,8 +738,9 @@ int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, in
 #endif
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1 (y has row stride ldy), Q8_0. */
-static void q8_cols(const uint8_t *w, const float *x, int m, int k, float *y, int ldy, int n0,
-                    int n1) {
+static inline __attribute__((always_inline)) void q8_cols(const uint8_t *w, const float *x,
+                                                          const int m, int k, float *y,
+                                                          int ldy, int n0, int n1) {
     const int nb = k / 32;
     for (int n = n0; n < n1; n++) {
         acc_t acc[ROWS];
@@ -698,9 +760,13 @@ int bevy_q8_linear(const uint8_t *w, const float *x, float *y, int M, int N, int
     for (int r0 = 0; r0 < M; r0 += ROWS) {
         int m = M - r0 < ROWS ? M - r0 : ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int t = 0; t < chunks; t++)
-            q8_cols(w, x + (size_t)r0 * K, m, K, y + (size_t)r0 * N, N,
-                    (int)((long)N * t / chunks), (int)((long)N * (t + 1) / chunks));
+        for (int t = 0; t < chunks; t++) {
+            const float *xr = x + (size_t)r0 * K;
+            float *yr = y + (size_t)r0 * N;
+            const int c0 = (int)((long)N * t / chunks), c1 = (int)((long)N * (t + 1) / chunks);
+#define Q8R(M) q8_cols(w, xr, M, K, yr, N, c0, c1)
+            WITH_M(Q8R)
+        }
     }
     return 0;
 }

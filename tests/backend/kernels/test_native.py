@@ -133,13 +133,19 @@ def test_k_quant_expert_mlp_equals_dequantize_then_matmul(
     assert (other - got).abs().max().item() > 1e-4 * ref.abs().max().item()  # (it counts)
 
 
-def test_wide_expert_on_several_threads_and_on_one(lib, monkeypatch):
+@pytest.mark.parametrize(
+    "qtypes, inner, hidden",
+    [
+        ((QType.Q4_1, QType.Q4_0, QType.Q4_1), 288, 160),
+        # columns taken four at a time, then one: chunks of either size and the remainder
+        ((QType.Q4_K, QType.Q5_K, QType.Q4_K), 1280, 512),
+    ],
+)
+def test_wide_expert_on_several_threads_and_on_one(lib, monkeypatch, qtypes, inner, hidden):
     """Shapes that split into many column chunks (the demo's are 1536 x 576): the same
     result, bit for bit, on one thread as on two, close to dequantize-then-matmul."""
     monkeypatch.setattr(native, "_lib", lib)
-    inner, hidden = 288, 160
     shapes = ((inner, hidden), (inner, hidden), (hidden, inner))
-    qtypes = (QType.Q4_1, QType.Q4_0, QType.Q4_1)
     parts = tuple(
         (random_blocks(q, *shape, seed=i), q, shape)
         for i, (q, shape) in enumerate(zip(qtypes, shapes, strict=True))
