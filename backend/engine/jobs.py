@@ -24,13 +24,17 @@ class JobRunner:
     def __init__(self, t: Transformer, experts: EagerExperts) -> None:
         self.t = t
         self.experts = experts
+        self.unhook()
+        # Set by another thread when a message arrives: a walk stops at the next layer.
+        self.stop = ctypes.c_int(0)
+        self._walk: Walk | None = None
+
+    def unhook(self) -> None:
+        """No callbacks (the engine's own methods make a cycle that ``Engine.close`` breaks)."""
         self.on_route: Callable[[Request], None] = lambda r: None
         # A layer a walk went through (``run_through``), for each of its requests with
         # that layer's experts: the cache's uses and hits, as a job there would count them.
         self.on_pass: Callable[[Request, int, tuple[int, ...]], None] = lambda r, l, n: None
-        # Set by another thread when a message arrives: a walk stops at the next layer.
-        self.stop = ctypes.c_int(0)
-        self._walk: Walk | None = None
 
     def enter(
         self, group: Sequence[Request], layer: int, seqs: Sequence[SeqSlice], h: torch.Tensor

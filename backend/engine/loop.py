@@ -185,11 +185,12 @@ class Engine:
         self.jobs.on_route = self._on_route
         self.jobs.on_pass = self._on_pass
         self._n_routed = sum(len(layer) for layer in model.experts)
+        wake = self._wake  # (not self: the callback would tie the fetcher to the engine)
         self.fetcher = Fetcher(
             self.store,
             self.slots,
             self.telemetry,
-            lambda k, lay, err: self._wake.put(_FetchDone(k, lay, err)),
+            lambda k, lay, err: wake.put(_FetchDone(k, lay, err)),
             decode=dtype if fmt == "decoded" else None,
             use_aio=config.aio,
         )
@@ -259,6 +260,12 @@ class Engine:
     def close(self) -> None:
         self.fetcher.close()
         self.store.close()
+        # Hooks are bound methods of their owners (the job runner's the engine's, the
+        # cache's the native expert backend's): cycles that would keep the slots, the
+        # whole cache budget, alive until the garbage collector's next full pass, which
+        # may be many engines later (each bench run, each restart of the app's engine).
+        self.jobs.unhook()
+        self.cache.on_ready = self.cache.on_gone = None
 
     @property
     def idle(self) -> bool:

@@ -3,6 +3,9 @@ engine reports what it holds (slots, working set, KV, dense weights) against it.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from backend.config import EngineConfig, SamplingParams
@@ -73,3 +76,32 @@ def test_an_asked_for_working_set_comes_out_of_the_budget_and_stays_in_it(demo) 
         assert snap.cache_budget_bytes == budget
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("policy", ["bevy", "prefetch-gate"])
+@pytest.mark.parametrize("backend", ["native", "eager"])
+def test_a_closed_engine_lets_go_of_its_slots_without_the_garbage_collector(
+    demo, policy: str, backend: str
+) -> None:
+    """Nothing the engine builds refers back to it in a cycle once it is closed: its slots
+    (the whole cache budget) go with the last reference, not at the collector's next full
+    pass, which may come only after the next engine has allocated its own."""
+    from backend.kernels import native
+
+    if backend == "native" and not native.available():
+        pytest.skip("no native kernels here")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    gc.collect()
+    gc.disable()
+    try:
+        eng = Engine(demo, EngineConfig(cache="0.1", policy=policy, expert_backend=backend))
+        assert eng.expert_backend == backend
+        eng.submit(Submit("a", params, prompt_ids=[1, 2, 3, 4]))
+        while eng.has_work:
+            eng.step()
+        eng.close()
+        engine, slots = weakref.ref(eng), weakref.ref(eng.slots)
+        del eng
+        assert engine() is None and slots() is None
+    finally:
+        gc.enable()
