@@ -498,12 +498,33 @@ static inline __attribute__((always_inline)) void q8_cols(const uint8_t *w, cons
                                                           const int m, int k, float *y,
                                                           int ldy, int n0, int n1);
 
-/* Each kernel for WITH_M, with q4_cols's arguments. */
+/* Each kernel once per row count (WITH_M), behind one call: out of line, so that q4_cols,
+   which the Q4_0 / Q4_1 loops are inlined into, stays the size it was (with all of them
+   inlined into it, the demo's decoding A/B leaned slower: docs/performance.md). */
 #define Q50(M) q50_cols(w, x, M, k, y, ldy, n0, n1)
 #define IQ4XS(M) iq4xs_cols(w, x, M, k, y, ldy, n0, n1)
 #define Q3K(M) q3k_cols(w, x, M, k, y, ldy, n0, n1)
 #define Q8(M) q8_cols(w, x, M, k, y, ldy, n0, n1)
 #define Q6K(M) q6k_cols(w, x, M, k, y, ldy, n0, n1)
+#define BY_M(NAME, KERNEL)                                                                   \
+    static __attribute__((noinline)) void NAME(const uint8_t *w, const float *x, int m,     \
+                                               int k, float *y, int ldy, int n0, int n1) {  \
+        WITH_M(KERNEL)                                                                       \
+    }
+BY_M(q50_any, Q50)
+BY_M(iq4xs_any, IQ4XS)
+BY_M(q3k_any, Q3K)
+BY_M(q8_any, Q8)
+BY_M(q6k_any, Q6K)
+
+static __attribute__((noinline)) void qk_any(const uint8_t *w, int five, const float *x,
+                                             const float *xsum, int m, int k, float *y,
+                                             int ldy, int n0, int n1) {
+    if (five)
+        WITH_M(QK5)
+    else
+        WITH_M(QK4)
+}
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
    weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS,
@@ -511,19 +532,19 @@ static inline __attribute__((always_inline)) void q8_cols(const uint8_t *w, cons
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
     if (type == 8)
-        WITH_M(Q50)
+        q50_any(w, x, m, k, y, ldy, n0, n1);
     else if (type == 7)
-        WITH_M(IQ4XS)
+        iq4xs_any(w, x, m, k, y, ldy, n0, n1);
     else if (type == 6)
-        WITH_M(Q3K)
+        q3k_any(w, x, m, k, y, ldy, n0, n1);
     else if (type == 5)
-        WITH_M(Q8)
+        q8_any(w, x, m, k, y, ldy, n0, n1);
     else if (type == 4)
-        WITH_M(QK5)
+        qk_any(w, 1, x, xsum, m, k, y, ldy, n0, n1);
     else if (type == 3)
-        WITH_M(Q6K)
+        q6k_any(w, x, m, k, y, ldy, n0, n1);
     else if (type == 2)
-        WITH_M(QK4)
+        qk_any(w, 0, x, xsum, m, k, y, ldy, n0, n1);
     else if (type == 1)
         BY_ROWS(1)
     else
@@ -760,13 +781,9 @@ int bevy_q8_linear(const uint8_t *w, const float *x, float *y, int M, int N, int
     for (int r0 = 0; r0 < M; r0 += ROWS) {
         int m = M - r0 < ROWS ? M - r0 : ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int t = 0; t < chunks; t++) {
-            const float *xr = x + (size_t)r0 * K;
-            float *yr = y + (size_t)r0 * N;
-            const int c0 = (int)((long)N * t / chunks), c1 = (int)((long)N * (t + 1) / chunks);
-#define Q8R(M) q8_cols(w, xr, M, K, yr, N, c0, c1)
-            WITH_M(Q8R)
-        }
+        for (int t = 0; t < chunks; t++)
+            q8_any(w, x + (size_t)r0 * K, m, K, y + (size_t)r0 * N, N,
+                   (int)((long)N * t / chunks), (int)((long)N * (t + 1) / chunks));
     }
     return 0;
 }
