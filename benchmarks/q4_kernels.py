@@ -12,7 +12,8 @@ key: another tree's ``backend/kernels``) or one C file that holds all the kernel
 Either must export every function ``backend.kernels.native`` binds.
 
 ``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
-``--storage ssd``), each policy with each build in turn, and prints decode tokens/s.
+``--storage ssd``), each policy with each build in turn, and prints decode tokens/s: the
+medians, and the median of each round's ratio (its two runs back to back).
 
 Experts of the demo's shape ([1536, 576] gate and up, [576, 1536] down; Q4_1, every
 fourth Q4_0), 64 of them taken in turn so that their bytes are not all in the CPU cache,
@@ -169,7 +170,11 @@ def decode(builds: dict, args: argparse.Namespace) -> int:
         )
         if len(builds) == 2:
             mine, other = (statistics.median(got[(policy, n)]) for n in builds)
-            line += f"  (this tree / against: {mine / other:.3f})"
+            line += f"  (this tree / against: {mine / other:.3f}"
+            # Each round's pair ran back to back: their ratio cancels the machine's drift
+            # through the run, which the ratio of the two medians does not.
+            paired = [a / b for a, b in zip(*(got[(policy, n)] for n in builds), strict=True)]
+            line += f"; median of the rounds' ratios {statistics.median(paired):.3f})"
             same = all(
                 t == tokens[(policy, "this tree")][0] for n in builds for t in tokens[(policy, n)]
             )
