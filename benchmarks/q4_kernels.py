@@ -18,10 +18,10 @@ medians, and the median of each round's ratio (its two runs back to back).
 Experts of the demo's shape ([1536, 576] gate and up, [576, 1536] down; Q4_1, every
 fourth Q4_0), 64 of them taken in turn so that their bytes are not all in the CPU cache,
 as in decoding. ``--kind "Q4_K + Q6_K down"`` (any of ``kquant_experts.KINDS``) times
-experts of that file type and Qwen3-30B-A3B's shape instead. With ``--against``, both builds run interleaved in one process (the
-order alternating between rounds, so that drift of the machine cancels), the medians are
-compared, and every output of the two is checked to be the same bits unless
-``--allow-different-bits``.
+experts of that file type and Qwen3-30B-A3B's shape instead. With ``--against``, both
+builds run interleaved in one process (the order alternating between rounds, so that
+drift of the machine cancels), the medians are compared, and every output of the two is
+checked to be the same bits unless ``--allow-different-bits``.
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class Engine:
         # Hooks are bound methods of their owners (the job runner's the engine's, the
         # cache's the native expert backend's): cycles that would keep the slots, the
         # whole cache budget, alive until the garbage collector's next full pass, which
-        # may be many engines later (each bench run, each restart of the app's engine).
+        # may come many engines later (each `bevy bench` run opens one).
         self.jobs.unhook()
         self.cache.on_ready = self.cache.on_gone = None
 

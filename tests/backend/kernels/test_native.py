@@ -137,7 +137,7 @@ def test_k_quant_expert_mlp_equals_dequantize_then_matmul(
     "qtypes, inner, hidden",
     [
         ((QType.Q4_1, QType.Q4_0, QType.Q4_1), 288, 160),
-        # columns taken four at a time, then one: chunks of either size and the remainder
+        # the K-quant kernels, compiled per row count, over the same column chunks
         ((QType.Q4_K, QType.Q5_K, QType.Q4_K), 1280, 512),
     ],
 )
