@@ -128,26 +128,9 @@ static inline __attribute__((always_inline)) void cols(const uint8_t *w, const i
     }
 }
 
-/* R by rows of x: m * R <= 16 accumulators, and R dividing 32 (the demo's column chunks:
-   fewer columns left to the one-at-a-time loop). The fastest of those tried on AVX-512
-   (benchmarks/q4_kernels.py). */
-_Static_assert(ROWS == 8, "q4_cols has a case for each row count 1..ROWS");
-#define COLS(Q, M, R) cols(w, Q, x, xsum, M, R, k, y, ldy, n0, n1)
-#define BY_ROWS(Q)                                                                           \
-    switch (m) {                                                                             \
-    case 1: COLS(Q, 1, 8); break;                                                            \
-    case 2: COLS(Q, 2, 4); break;                                                            \
-    case 3: COLS(Q, 3, 4); break;                                                            \
-    case 4: COLS(Q, 4, 4); break;                                                            \
-    case 5: COLS(Q, 5, 2); break;                                                            \
-    case 6: COLS(Q, 6, 2); break;                                                            \
-    case 7: COLS(Q, 7, 2); break;                                                            \
-    case 8: COLS(Q, 8, 2); break;                                                            \
-    default: break; /* no rows (callers pass 1..ROWS) */                                     \
-    }
-
 /* CALL(M) with the row count m as the constant M (1..ROWS): a kernel inlined with it, so
    that the compiler unrolls its row loops and keeps its accumulators in registers. */
+_Static_assert(ROWS == 8, "WITH_M has a case for each row count 1..ROWS");
 #define WITH_M(CALL)                                                                         \
     switch (m) {                                                                             \
     case 1: CALL(1); break;                                                                  \
@@ -160,6 +143,13 @@ _Static_assert(ROWS == 8, "q4_cols has a case for each row count 1..ROWS");
     case 8: CALL(8); break;                                                                  \
     default: break; /* no rows (callers pass 1..ROWS) */                                     \
     }
+
+/* Q4_0 / Q4_1 weight rows R at a time by M rows of x: M * R <= 16 accumulators, and R
+   dividing 32 (the demo's column chunks: fewer columns left to the one-at-a-time loop).
+   The fastest of those tried on AVX-512 (benchmarks/q4_kernels.py). */
+#define Q4_R(M) ((M) == 1 ? 8 : (M) <= 4 ? 4 : 2)
+#define Q40(M) cols(w, 0, x, xsum, M, Q4_R(M), k, y, ldy, n0, n1)
+#define Q41(M) cols(w, 1, x, xsum, M, Q4_R(M), k, y, ldy, n0, n1)
 
 /* Sub-block j's 6-bit scale and min of a Q4_K super-block's 12 packed bytes s (ggml's
    get_scale_min_k4). */
@@ -546,9 +536,9 @@ static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsu
     else if (type == 2)
         qk_any(w, 0, x, xsum, m, k, y, ldy, n0, n1);
     else if (type == 1)
-        BY_ROWS(1)
+        WITH_M(Q41)
     else
-        BY_ROWS(0)
+        WITH_M(Q40)
 }
 
 /* xsum[r, b] = sum of block b of row r (four vectors of 8 added pairwise, then across). */
