@@ -73,6 +73,8 @@ SOURCES = ("q4_matmul.c", "attention.c", "decode.c")
 HEADERS = ("simd.h", "kernels.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20}
+# The types ``pack`` takes, by their code for the C side's ``bevy_q4_pack``.
+_PACKS = {QType.Q4_0: 0, QType.Q4_1: 1}
 # The attention block and ``linear`` also take Q8_0 (most GGUF files' LM head): f16 d and
 # 32 int8.
 _LINEAR_BLOCK_BYTES = {**_BLOCK_BYTES, QType.Q8_0: 34}
@@ -89,6 +91,8 @@ EXPERT_TYPES = {
     QType.IQ4_XS: (256, 136, 7),
     QType.Q5_0: (32, 22, 8),
 }
+# Q4_0 / Q4_1 packed by 16 rows (``pack``): the C side's code for each stored type's code.
+PACKED_CODES = {0: 9, 1: 10}
 # The expert kernels' activations (``ModelConfig.native_act``) and their bit in ``types``.
 ACTS = {"silu": 0, "gelu": 1 << 12}
 
@@ -200,6 +204,10 @@ def build(
     lib.bevy_q8_linear.restype = i32
     lib.bevy_f32_linear.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
     lib.bevy_f32_linear.restype = i32
+    lib.bevy_q4_pack.argtypes = [ptr, i32, i32, i32]
+    lib.bevy_q4_pack.restype = i32
+    lib.bevy_q4_unpack.argtypes = [ptr, ptr, i32, i32, i32]
+    lib.bevy_q4_unpack.restype = i32
     f32 = ctypes.c_float
     lib.bevy_attn_decode.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr]
     lib.bevy_attn_decode.argtypes += [i32, i32, i32, i32, f32, i32, ptr, i32]
@@ -264,11 +272,13 @@ def _weight_ok(raw: torch.Tensor, bb: int | None, n: int, k: int) -> bool:
     )
 
 
-def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Tensor):
+def linear(
+    raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Tensor, packed: bool = False
+):
     """x [M, k] @ W.T for W [n, k] = ``shape`` stored in ``raw``'s blocks (a type of
-    ``EXPERT_TYPES``), or ``raw`` itself for F32; None where the kernels are unavailable
-    or do not take these arguments. Each row of x is reduced on its own: a row's result
-    does not depend on its batch-mates."""
+    ``EXPERT_TYPES``; ``packed`` where ``pack`` packed them), or ``raw`` itself for F32;
+    None where the kernels are unavailable or do not take these arguments. Each row of x
+    is reduced on its own: a row's result does not depend on its batch-mates."""
     lib = library()
     n, k = shape
     if qtype == QType.F32:
@@ -281,6 +291,7 @@ def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Ten
         code = None
     elif qtype in EXPERT_TYPES:
         width, bb, code = EXPERT_TYPES[qtype]
+        code = PACKED_CODES[code] if packed else code
         ok = k % width == 0 and _weight_ok(raw, 0, n, k) and raw.numel() == n * k // width * bb
     else:
         code, ok = None, _weight_ok(raw, _LINEAR_BLOCK_BYTES.get(qtype), n, k)
@@ -314,14 +325,53 @@ def linear(raw: torch.Tensor, qtype: QType, shape: tuple[int, int], x: torch.Ten
     return y
 
 
-def expert_mlp(parts: tuple, x: torch.Tensor, act: str = "silu"):
+def pack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> bool:
+    """Reorder a Q4_0 / Q4_1 weight [n, k] stored in ``raw`` in place, 16 rows to a group,
+    for the packed kernels (``q4p_cols`` in q4_matmul.c: about a third of the instructions
+    per weight of the blocks as stored). False, with ``raw`` untouched, where this build
+    has no packed kernel (no AVX-512) or the weight does not pack (another type, n not a
+    multiple of 16). The caller then passes ``packed`` to ``expert_mlp`` / ``mlp_types`` /
+    ``linear``, and ``unpack`` gives the blocks as stored back."""
+    lib = library()
+    n, k = shape
+    code = _PACKS.get(qtype)
+    if lib is None or code is None or not _weight_ok(raw, _BLOCK_BYTES[qtype], n, k):
+        return False
+    return lib.bevy_q4_pack(raw.data_ptr(), code, n, k) >= 0
+
+
+def unpack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> torch.Tensor:
+    """The blocks as stored of a weight that ``pack`` packed (a new tensor)."""
+    lib = library()
+    n, k = shape
+    out = torch.empty_like(raw)
+    if lib is None or lib.bevy_q4_unpack(raw.data_ptr(), out.data_ptr(), _PACKS[qtype], n, k):
+        raise ValueError(f"not a packed {qtype.name} weight of shape {shape}")
+    return out
+
+
+def packed_types(types: int, packed: tuple[bool, ...]) -> int:
+    """``types`` (``mlp_types``' bits) with part i's code the packed one where
+    ``packed[i]``."""
+    for i, p in enumerate(packed):
+        if p:
+            code = (types >> (4 * i)) & 15
+            types = types & ~(15 << (4 * i)) | PACKED_CODES[code] << (4 * i)
+    return types
+
+
+def expert_mlp(
+    parts: tuple, x: torch.Tensor, act: str = "silu", packed: tuple[bool, ...] = (False,) * 3
+):
     """down(act(gate(x)) * up(x)) for ``parts`` = ((raw, qtype, shape) of gate, up, down),
-    ``act`` SiLU or GELU (tanh); None where the kernels are unavailable or do not take
-    these arguments."""
+    ``act`` SiLU or GELU (tanh), ``packed[i]`` where part i's bytes were packed (``pack``);
+    None where the kernels are unavailable or do not take these arguments."""
     lib = library()
     if lib is None:
         return None
     types = mlp_types(tuple((q, shape, raw.numel()) for raw, q, shape in parts), act)
+    if types is not None:
+        types = packed_types(types, packed)
     if types is None or not all(
         raw.dtype == torch.uint8 and raw.device.type == "cpu" and raw.is_contiguous()
         for raw, _, _ in parts

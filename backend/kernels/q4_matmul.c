@@ -26,6 +26,10 @@
 #include "simd.h"
 
 #define ROWS 8 /* rows of x reduced together, each weight block widened once for them */
+/* q4_cols' type codes of Q4_0 / Q4_1 packed by 16 rows (bevy_q4_pack); 0-8 are the blocks
+   as stored, listed at q4_cols. */
+#define T_Q40_PACKED 9
+#define T_Q41_PACKED 10
 
 #ifdef __AVX512F__
 /* One block of weight row W: its 32 widened weights times each x row, added to ACC. */
@@ -150,6 +154,67 @@ _Static_assert(ROWS == 8, "WITH_M has a case for each row count 1..ROWS");
 #define Q4_R(M) ((M) == 1 ? 8 : (M) <= 4 ? 4 : 2)
 #define Q40(M) cols(w, 0, x, xsum, M, Q4_R(M), k, y, ldy, n0, n1)
 #define Q41(M) cols(w, 1, x, xsum, M, Q4_R(M), k, y, ldy, n0, n1)
+
+#ifdef __AVX512F__
+/* Q4_0 / Q4_1 weights packed by 16 rows (bevy_q4_pack), for AVX-512. Group g (rows 16g ..
+   16g + 15) holds, for each block b in turn, the 16 rows' f16 d (32 bytes), for Q4_1
+   their f16 m (32 bytes), then their quant bytes: byte i of the 16 rows, i = 0..15, 16
+   bytes each (row r at r). The same bytes as the blocks, reordered, so a slot packs in
+   place. With the rows across the lanes, one widened byte vector gives 16 rows' weights
+   for element i (low nibbles) and i + 16 (high), each multiplied by one x value broadcast:
+   no per-block broadcast of a scale, no scalar tail and no sum across lanes, about a third
+   of the instructions per weight of the blocks as stored. Each output is
+       y[r, n] = sum_b (d[n, b] * (lo + hi) + m[n, b] * xsum[r, b])
+   with lo = sum over i of q_lo[n, b, i] * x[r, b, i] and hi likewise for the high
+   nibbles (Q4_0: q - 8, no m), in this order whatever m and the columns are. */
+static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, const int q4_1,
+                                                           const float *x, const float *xsum,
+                                                           const int m, int k, float *y,
+                                                           int ldy, int n0, int n1) {
+    const int nb = k / 32, bs = q4_1 ? 20 : 18, hs = q4_1 ? 64 : 32;
+    const __m512 nib = _mm512_sub_ps(
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_ps(q4_1 ? 0.f : 8.f));
+    for (int g = n0 / 16; g < n1 / 16; g++) {
+        __m512 acc[ROWS];
+        for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+        const uint8_t *c = w + (size_t)g * nb * 16 * bs;
+        for (int b = 0; b < nb; b++, c += 16 * bs) {
+            __m512 lo[ROWS], hi[ROWS];
+            for (int r = 0; r < m; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+            for (int i = 0; i < 16; i++) {
+                __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + hs + 16 * i)));
+                __m512 wl = _mm512_permutexvar_ps(q, nib);
+                __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), nib);
+                for (int r = 0; r < m; r++) {
+                    const float *xb = x + (size_t)r * k + (size_t)b * 32;
+                    lo[r] = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[i]), lo[r]);
+                    hi[r] = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[i + 16]), hi[r]);
+                }
+            }
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c));
+            for (int r = 0; r < m; r++) acc[r] = _mm512_fmadd_ps(dv, _mm512_add_ps(lo[r], hi[r]), acc[r]);
+            if (q4_1) {
+                __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 32)));
+                for (int r = 0; r < m; r++)
+                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[(size_t)r * nb + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < m; r++) _mm512_storeu_ps(y + (size_t)r * ldy + (size_t)g * 16, acc[r]);
+    }
+}
+#define Q40P(M) q4p_cols(w, 0, x, xsum, M, k, y, ldy, n0, n1)
+#define Q41P(M) q4p_cols(w, 1, x, xsum, M, k, y, ldy, n0, n1)
+
+static __attribute__((noinline)) void q4p_any(const uint8_t *w, int q4_1, const float *x,
+                                              const float *xsum, int m, int k, float *y,
+                                              int ldy, int n0, int n1) {
+    if (q4_1)
+        WITH_M(Q41P)
+    else
+        WITH_M(Q40P)
+}
+#endif
 
 /* Sub-block j's 6-bit scale and min of a Q4_K super-block's 12 packed bytes s (ggml's
    get_scale_min_k4). */
@@ -518,9 +583,16 @@ static __attribute__((noinline)) void qk_any(const uint8_t *w, int five, const f
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
    weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS,
-   8 Q5_0. */
+   8 Q5_0; T_Q40_PACKED and T_Q41_PACKED: Q4_0 / Q4_1 packed by 16 rows (AVX-512 builds
+   only), n0 and n1 multiples of 16 (col_edge gives such edges). */
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
+#ifdef __AVX512F__
+    if (type == T_Q40_PACKED || type == T_Q41_PACKED) {
+        q4p_any(w, type == T_Q41_PACKED, x, xsum, m, k, y, ldy, n0, n1);
+        return;
+    }
+#endif
     if (type == 8)
         q50_any(w, x, m, k, y, ldy, n0, n1);
     else if (type == 7)
@@ -559,6 +631,13 @@ static void block_sums(const float *x, float *xsum, int m, int k) {
 /* Column chunks shared out among the threads: enough for balance, big enough to pair. */
 static int n_chunks(int n) { return n < 128 ? 1 : (n < 4096 ? n / 32 : 128); }
 
+/* Chunk t's first column of n shared into `chunks`: a multiple of 16, as packed weights
+   need (16 rows to a group), and n for t = chunks. Where the columns are cut does not
+   change any output's bits. */
+static inline int col_edge(int n, int t, int chunks) {
+    return t == chunks ? n : (int)((long)n * t / chunks) & ~15;
+}
+
 /* y [M, N] = x [M, K] @ W.T for W [N, K] in Q4 blocks (type as for q4_cols), on `threads`
    threads. 0 on success, -1 if out of memory. */
 int bevy_q4_linear(const uint8_t *w, int type, const float *x, float *y, int M, int N, int K,
@@ -572,8 +651,7 @@ int bevy_q4_linear(const uint8_t *w, int type, const float *x, float *y, int M, 
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int t = 0; t < chunks; t++)
             q4_cols(w, type, x + (size_t)r0 * K, xsum + (size_t)r0 * nb, m, K,
-                    y + (size_t)r0 * N, N, (int)((long)N * t / chunks),
-                    (int)((long)N * (t + 1) / chunks));
+                    y + (size_t)r0 * N, N, col_edge(N, t, chunks), col_edge(N, t + 1, chunks));
     }
     free(xsum);
     return 0;
@@ -606,7 +684,7 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
         {
 #pragma omp for schedule(static)
             for (int t = 0; t < ci; t++) {
-                int n0 = (int)((long)inner * t / ci), n1 = (int)((long)inner * (t + 1) / ci);
+                int n0 = col_edge(inner, t, ci), n1 = col_edge(inner, t + 1, ci);
                 q4_cols(gate, gq, xr, xs, m, hidden, hr, inner, n0, n1);
                 q4_cols(up, uq, xr, xs, m, hidden, ur, inner, n0, n1);
                 for (int r = 0; r < m; r++)
@@ -622,7 +700,7 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
 #pragma omp for schedule(static)
             for (int t = 0; t < ch; t++)
                 q4_cols(down, dq, hr, hsum + (size_t)r0 * nbi, m, inner, out + (size_t)r0 * hidden,
-                        hidden, (int)((long)hidden * t / ch), (int)((long)hidden * (t + 1) / ch));
+                        hidden, col_edge(hidden, t, ch), col_edge(hidden, t + 1, ch));
         }
     }
     free(h);
@@ -810,5 +888,86 @@ int bevy_f32_linear(const float *w, const float *x, float *y, int M, int N, int 
             f32_cols(w, x + (size_t)r0 * K, m, K, y + (size_t)r0 * N, N,
                      (int)((long)N * t / chunks), (int)((long)N * (t + 1) / chunks));
     }
+    return 0;
+}
+
+/* out[j] byte i = in[i] byte j for 16 vectors of 16 bytes (a byte transpose): four
+   rounds of interleaving vector j with j + 8, the inputs taken in bit-reversed order so
+   that the outputs come out in order. */
+static void transpose16(const uint8_t *const in[16], uint8_t *const out[16]) {
+    static const int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    __m128i t[16], u[16];
+    for (int j = 0; j < 16; j++) t[j] = _mm_loadu_si128((const __m128i *)in[rev[j]]);
+#define ROUND(LO, HI)                                                                        \
+    for (int j = 0; j < 8; j++) {                                                            \
+        u[2 * j] = LO(t[j], t[j + 8]);                                                       \
+        u[2 * j + 1] = HI(t[j], t[j + 8]);                                                   \
+    }                                                                                        \
+    memcpy(t, u, sizeof t);
+    ROUND(_mm_unpacklo_epi8, _mm_unpackhi_epi8)
+    ROUND(_mm_unpacklo_epi16, _mm_unpackhi_epi16)
+    ROUND(_mm_unpacklo_epi32, _mm_unpackhi_epi32)
+    ROUND(_mm_unpacklo_epi64, _mm_unpackhi_epi64)
+#undef ROUND
+    for (int j = 0; j < 16; j++) _mm_storeu_si128((__m128i *)out[j], t[j]);
+}
+
+/* Q4_0 (type 0) or Q4_1 (type 1) weights [n, k] as stored, packed in place by 16 rows for
+   the packed kernels (q4p_cols: the same bytes, reordered within each group of 16 rows).
+   Returns the packed type code for q4_cols; -1 where this build has no packed kernel
+   (no AVX-512), the type or shape does not pack (n a multiple of 16, k of 32), or memory
+   runs out. */
+int bevy_q4_pack(uint8_t *w, int type, int n, int k) {
+#ifdef __AVX512F__
+    if ((type != 0 && type != 1) || n % 16 || k % 32 || n <= 0) return -1;
+    const int nb = k / 32, bs = type ? 20 : 18, hs = type ? 4 : 2;
+    const size_t group = (size_t)16 * nb * bs;
+    uint8_t *tmp = malloc(group);
+    if (!tmp) return -1;
+    for (int g = 0; g < n / 16; g++) {
+        uint8_t *dst = w + (size_t)g * group;
+        memcpy(tmp, dst, group); /* rows 16g .. 16g + 15 as stored: the group's own bytes */
+        for (int b = 0; b < nb; b++) {
+            uint8_t *c = dst + (size_t)b * 16 * bs;
+            const uint8_t *in[16];
+            uint8_t *out[16];
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *blk = tmp + ((size_t)r * nb + b) * bs;
+                memcpy(c + 2 * r, blk, 2);
+                if (type) memcpy(c + 32 + 2 * r, blk + 2, 2);
+                in[r] = blk + hs;
+                out[r] = c + 16 * hs + 16 * r;
+            }
+            transpose16(in, out);
+        }
+    }
+    free(tmp);
+    return type ? T_Q41_PACKED : T_Q40_PACKED;
+#else
+    (void)w, (void)type, (void)n, (void)k;
+    return -1;
+#endif
+}
+
+/* Packed Q4_0 / Q4_1 weights [n, k] (bevy_q4_pack; type 0 or 1 as before packing) back
+   to the blocks as stored, into out (not overlapping w). 0, or -1 for a type or shape
+   that bevy_q4_pack does not take. */
+int bevy_q4_unpack(const uint8_t *w, uint8_t *out, int type, int n, int k) {
+    if ((type != 0 && type != 1) || n % 16 || k % 32 || n <= 0) return -1;
+    const int nb = k / 32, bs = type ? 20 : 18, hs = type ? 4 : 2;
+    for (int g = 0; g < n / 16; g++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *c = w + ((size_t)g * nb + b) * 16 * bs;
+            const uint8_t *in[16];
+            uint8_t *rows[16];
+            for (int r = 0; r < 16; r++) {
+                uint8_t *blk = out + ((size_t)(16 * g + r) * nb + b) * bs;
+                memcpy(blk, c + 2 * r, 2);
+                if (type) memcpy(blk + 2, c + 32 + 2 * r, 2);
+                in[r] = c + 16 * hs + 16 * r;
+                rows[r] = blk + hs;
+            }
+            transpose16(in, rows);
+        }
     return 0;
 }

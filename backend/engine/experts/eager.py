@@ -84,9 +84,7 @@ class EagerExperts:
         if hit is not None and hit[0] == slot and hit[1] == gen:
             self._decoded.move_to_end(key)
             return hit[2]
-        weights = dequantize_slot(
-            self.slots[slot], self.experts[layer][e], self.layouts[key], self.t.dtype
-        )
+        weights = self.dequantize(key, slot)
         if self.working_set:
             # Float parts may view the slot; a copy keeps the entry valid on its own.
             shared = self.slots.untyped_storage().data_ptr()
@@ -97,6 +95,11 @@ class EagerExperts:
             while len(self._decoded) > self.working_set:
                 self._decoded.popitem(last=False)
         return weights
+
+    def dequantize(self, key: tuple[int, int], slot: int) -> ExpertWeights:
+        """The float weights of the expert ``key`` that ``slot`` holds."""
+        ref = self.experts[key[0]][key[1]]
+        return dequantize_slot(self.slots[slot], ref, self.layouts[key], self.t.dtype)
 
     def stored_parts(self, layer: int, e: int) -> tuple[Part, Part, Part]:
         """The expert's gate, up and down as (bytes in its slot, block type, shape)."""

@@ -1,0 +1,97 @@
+"""Q4_0 / Q4_1 weights packed by 16 rows (``native.pack``) and the kernels that read them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.kernels import native
+from backend.kernels.quants import QType, dequantize
+from tests.helpers.qblocks import HIDDEN, INNER, random_blocks, random_expert
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="no native Q4 kernels here (x86-64 with AVX2 and cc)"
+)
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The library this machine uses, and one built without AVX-512 (no packed kernel)."""
+    if request.param == "native":
+        return native.library()
+    return native.build(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
+
+
+def _packed(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> torch.Tensor:
+    """A packed copy of ``raw``; skips where this build does not pack (no AVX-512)."""
+    out = raw.clone()
+    if not native.pack(out, qtype, shape):
+        assert torch.equal(out, raw)  # refused: left as it was
+        pytest.skip("this build has no packed kernel (it needs AVX-512)")
+    return out
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
+def test_packing_reorders_the_bytes_and_unpacking_restores_them(lib, monkeypatch, qtype):
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 48
+    raw = random_blocks(qtype, n, HIDDEN, seed=3)
+    packed = _packed(raw, qtype, (n, HIDDEN))
+    assert not torch.equal(packed, raw)
+    assert torch.equal(packed.sort().values, raw.sort().values)  # the same bytes
+    assert torch.equal(native.unpack(packed, qtype, (n, HIDDEN)), raw)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+def test_what_does_not_pack_is_left_as_it_was(lib, monkeypatch, qtype):
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 40 if qtype == QType.Q4_1 else 48  # 40 rows: not whole groups of 16
+    raw = random_blocks(qtype, n, HIDDEN, seed=4)
+    kept = raw.clone()
+    assert not native.pack(raw, qtype, (n, HIDDEN))
+    assert torch.equal(raw, kept)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
+# 1-8 rows each take their own compiled case; 9 and 17 take more than one pass of 8
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 9, 17])
+def test_packed_linear_is_close_to_dequantize_then_matmul_and_batch_free(
+    lib, monkeypatch, qtype, rows
+):
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 4160  # over 4096 columns: 128 chunks whose edges fall inside groups unless rounded
+    raw = random_blocks(qtype, n, HIDDEN, seed=rows)
+    packed = _packed(raw, qtype, (n, HIDDEN))
+    x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows))
+    got = native.linear(packed, qtype, (n, HIDDEN), x, packed=True)
+    ref = F.linear(x, dequantize(raw, qtype, (n, HIDDEN)))
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    for lo, hi in ((0, 1), (rows - 1, rows), (1, rows)):
+        assert torch.equal(
+            native.linear(packed, qtype, (n, HIDDEN), x[lo:hi], packed=True), got[lo:hi]
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)  # the columns shared out otherwise
+    try:
+        assert torch.equal(native.linear(packed, qtype, (n, HIDDEN), x, packed=True), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("down", [QType.Q4_0, QType.Q8_0])
+def test_packed_expert_mlp_matches_the_blocks_as_stored(lib, monkeypatch, down):
+    """An expert with packed Q4_1 gate and up (and a packed Q4_0 down, or a Q8_0 one as
+    stored) is close to the same expert unpacked, and each row is the same alone."""
+    monkeypatch.setattr(native, "_lib", lib)
+    parts = random_expert((QType.Q4_1, QType.Q4_1, down), seed=9)
+    packed = tuple(_packed(raw, q, s) if q != QType.Q8_0 else raw for raw, q, s in parts)
+    flags = (True, True, down != QType.Q8_0)
+    stored = tuple((p, q, s) for p, (_, q, s) in zip(packed, parts, strict=True))
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(9))
+    want = native.expert_mlp(parts, x)
+    got = native.expert_mlp(stored, x, "silu", flags)
+    assert got.shape == (5, HIDDEN) and INNER % 16 == 0
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    for i in range(5):
+        assert torch.equal(native.expert_mlp(stored, x[i : i + 1], "silu", flags)[0], got[i])
