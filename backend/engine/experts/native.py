@@ -23,7 +23,7 @@ import torch
 from backend.engine.experts.eager import EagerExperts
 from backend.engine.request import Request
 from backend.kernels import native
-from backend.models.weights import dequantize_slot
+from backend.kernels.quants import dequantize
 
 # Past this many rows, a prompt's expert is dequantized once for all its rows (see there).
 NATIVE_MAX_ROWS = native.EXPERT_MAX_ROWS
@@ -84,12 +84,20 @@ class NativeExperts(EagerExperts):
         packed = self._packed.get(key, ())
         if not any(packed):
             return super().dequantize(key, slot)
-        ref, at = self.experts[key[0]][key[1]], self.layouts[key]
-        row = self.slots[slot].clone()  # the blocks as stored, for the eager product
-        for o, p, pk in zip(at, ref.parts, packed, strict=True):
-            if pk:
-                row[o : o + p.nbytes] = native.unpack(row[o : o + p.nbytes], p.qtype, p.shape)
-        return dequantize_slot(row, ref, at, self.t.dtype)
+        row, ref = self.slots[slot], self.experts[key[0]][key[1]]
+        out = []
+        for o, p, pk in zip(self.layouts[key], ref.parts, packed, strict=True):
+            raw = row[o : o + p.nbytes]
+            # the blocks as stored, for the eager product: a copy of this part alone
+            out.append(
+                dequantize(
+                    native.unpack(raw, p.qtype, p.shape) if pk else raw,
+                    p.qtype,
+                    p.shape,
+                    self.t.dtype,
+                )
+            )
+        return out[0], out[1], out[2]
 
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > NATIVE_MAX_ROWS:
