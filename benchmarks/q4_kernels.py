@@ -11,6 +11,11 @@ key: another tree's ``backend/kernels``) or one C file that holds all the kernel
 > /tmp/old.c``; ``backend/formats/native_q4.c`` before the move to ``backend/kernels``).
 Either must export every function ``backend.kernels.native`` binds.
 
+``--packed`` compares this tree's kernels on the experts as stored against the same experts
+packed 16 rows to a group (``native.pack``, what the engine's native backend does to each
+Q4_0/Q4_1 expert in its slot), checking that the two agree to 1e-5 of the largest output;
+with ``--decode``, the engine with and without packing.
+
 ``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
 ``--storage ssd``), each policy with each build in turn, and prints decode tokens/s: the
 medians, and the median of each round's ratio (its two runs back to back).
@@ -96,6 +101,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--allow-different-bits", action="store_true")
+    ap.add_argument("--packed", action="store_true", help="as stored against packed (above)")
     ap.add_argument("--decode", action="store_true", help="time decoding runs (see above)")
     ap.add_argument("--policies", default="bevy,sync")
     ap.add_argument("--workload", default="chat")
@@ -111,20 +117,50 @@ def main() -> int:
     if args.decode:
         return decode(builds, args)
     parts, hidden = k_experts(args.kind, EXPERTS) if args.kind else (experts(EXPERTS), HIDDEN)
+    # name -> (library, experts, which of each expert's parts are packed)
+    plain = [(False,) * 3] * len(parts)
+    variants = {name: (lib, parts, plain) for name, lib in builds.items()}
+    if args.packed:
+        native._lib, native._tried = builds["this tree"], True
+        packed, flags = [], []
+        for expert in parts:
+            copies = [raw.clone() for raw, _, _ in expert]
+            flags.append(
+                tuple(native.pack(c, q, s) for c, (_, q, s) in zip(copies, expert, strict=True))
+            )
+            packed.append(tuple((c, q, s) for c, (_, q, s) in zip(copies, expert, strict=True)))
+        if not any(any(f) for f in flags):
+            print("this build packs none of these experts (it needs AVX-512)", file=sys.stderr)
+            return 1
+        variants = {
+            "as stored": variants["this tree"],
+            "packed": (builds["this tree"], packed, flags),
+        }
     rows = [int(r) for r in args.rows.split(",")]
     times: dict[tuple[int, str], list[float]] = {}
     for rnd in range(args.rounds):
         for m in rows:
             x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(m))
             outs = {}
-            for name in builds if rnd % 2 == 0 else reversed(builds):
-                native._lib, native._tried = builds[name], True  # library() keeps it
+            for name in variants if rnd % 2 == 0 else reversed(variants):
+                lib, ps, fs = variants[name]
+                native._lib, native._tried = lib, True  # library() keeps it
                 t = time.perf_counter()
-                outs[name] = [native.expert_mlp(p, x) for p in parts]
+                outs[name] = [
+                    native.expert_mlp(p, x, "silu", f) for p, f in zip(ps, fs, strict=True)
+                ]
                 times.setdefault((m, name), []).append((time.perf_counter() - t) / len(parts))
-            if len(outs) == 2 and not args.allow_different_bits:
-                a, b = outs.values()
-                if not all(torch.equal(u, v) for u, v in zip(a, b, strict=True)):
+            a, b = outs.values() if len(outs) == 2 else (None, None)
+            if args.packed:
+                worst = max(
+                    ((u - v).abs().max() / u.abs().max()).item() for u, v in zip(a, b, strict=True)
+                )
+                if worst > 1e-5:
+                    print(f"{m} rows: packed differs by {worst:.1e} of the largest output")
+                    return 1
+            elif a is not None and not args.allow_different_bits:
+                same = all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+                if not same:
                     print(f"{m} rows: the two builds give different bits", file=sys.stderr)
                     return 1
     shape = f"{parts[0][0][2][0]}, {hidden}"
@@ -132,11 +168,12 @@ def main() -> int:
     print(f"one {kind} expert [{shape}] per call, {args.threads} threads, median of {args.rounds}")
     for m in rows:
         line = f"{m} rows: " + "  ".join(
-            f"{name} {1e3 * statistics.median(times[(m, name)]):.3f} ms" for name in builds
+            f"{name} {1e3 * statistics.median(times[(m, name)]):.3f} ms" for name in variants
         )
-        if len(builds) == 2:
-            mine, other = (statistics.median(times[(m, n)]) for n in builds)
-            line += f"  (this tree / against: {mine / other:.3f})"
+        if len(variants) == 2:
+            first, second = variants
+            mine, other = (statistics.median(times[(m, n)]) for n in variants)
+            line += f"  ({first} / {second}: {mine / other:.3f})"
         print(line)
     return 0
 
@@ -152,10 +189,16 @@ def decode(builds: dict, args: argparse.Namespace) -> int:
     prompts = prompts_for(model, args.workload, args.requests)
     got: dict[tuple[str, str], list[float]] = {}
     tokens: dict[tuple[str, str], list] = {}
+    # name -> (library, whether the engine packs its Q4 experts)
+    runs = {name: (lib, True) for name, lib in builds.items()}
+    if args.packed:
+        runs = {"packed": (builds["this tree"], True), "as stored": (builds["this tree"], False)}
+    pack = native.pack
     for rnd in range(args.rounds):
         for policy in args.policies.split(","):
-            for name in builds if rnd % 2 == 0 else reversed(builds):
-                native._lib, native._tried = builds[name], True
+            for name in runs if rnd % 2 == 0 else reversed(runs):
+                native._lib, native._tried = runs[name][0], True
+                native.pack = pack if runs[name][1] else (lambda *_: False)
                 rec = run_once(model, policy, prompts, args.cache, plan)
                 got.setdefault((policy, name), []).append(rec["tokens_per_s"])
                 tokens.setdefault((policy, name), []).append(rec["tokens"])
@@ -166,18 +209,17 @@ def decode(builds: dict, args: argparse.Namespace) -> int:
     )
     for policy in args.policies.split(","):
         line = f"{policy}: " + "  ".join(
-            f"{name} {statistics.median(got[(policy, name)]):.2f} tok/s" for name in builds
+            f"{name} {statistics.median(got[(policy, name)]):.2f} tok/s" for name in runs
         )
-        if len(builds) == 2:
-            mine, other = (statistics.median(got[(policy, n)]) for n in builds)
-            line += f"  (this tree / against: {mine / other:.3f}"
+        if len(runs) == 2:
+            first, second = runs
+            mine, other = (statistics.median(got[(policy, n)]) for n in runs)
+            line += f"  ({first} / {second}: {mine / other:.3f}"
             # Each round's pair ran back to back: their ratio cancels the machine's drift
             # through the run, which the ratio of the two medians does not.
-            paired = [a / b for a, b in zip(*(got[(policy, n)] for n in builds), strict=True)]
+            paired = [a / b for a, b in zip(*(got[(policy, n)] for n in runs), strict=True)]
             line += f"; median of the rounds' ratios {statistics.median(paired):.3f})"
-            same = all(
-                t == tokens[(policy, "this tree")][0] for n in builds for t in tokens[(policy, n)]
-            )
+            same = all(t == tokens[(policy, first)][0] for n in runs for t in tokens[(policy, n)])
             line += "" if same else "  TOKENS DIFFER"
         print(line)
     return 0

@@ -7,10 +7,12 @@ rows than ``NATIVE_MAX_ROWS``) goes expert by expert: the kernel for a few rows,
 (``EagerExperts``) for more, where BLAS is the faster product. Both give the bits of
 each expert alone on its rows, scaled and added in expert order.
 
-Q4_0 / Q4_1 weights are packed in their slot as the slot becomes ready (``native.pack``:
-16 rows to a group, for a kernel with about a third of the instructions per weight) and
-stay packed until the slot is given up; every product of an expert then reads the same
-packed bytes, so its bits do not depend on the policy, the cache size or the batch.
+Where the cache has a slot for every expert (the model in memory), Q4_0 / Q4_1 weights
+are packed in their slot as the slot becomes ready (``native.pack``: 16 rows to a group,
+for a kernel with about a third of the instructions per weight) and stay packed. Every
+product of an expert then reads the same packed bytes, so its bits do not depend on the
+policy or the batch. With fewer slots an expert is mostly fetched for one or two uses,
+and packing it cost more than those uses saved (docs/performance.md): it stays as stored.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class NativeExperts(EagerExperts):
         # and the slot's generation they were packed in (a slot is packed once per fill).
         self._packed: dict[tuple[int, int], tuple[bool, bool, bool]] = {}
         self._packed_in: dict[tuple[int, int], tuple[int, int]] = {}
+        self.packs = self.cache.n_slots >= sum(len(layer) for layer in self.experts)
         self.cache.on_ready, self.cache.on_gone = self._resident, self._gone
         for key, slot in self.cache.slot_of.items():
             if self.cache.ready[slot]:
@@ -59,7 +62,7 @@ class NativeExperts(EagerExperts):
             self._gone(key)
             return
         fill = (slot, self.cache.generation[slot])
-        if self._packed_in.get(key) != fill:
+        if self.packs and self._packed_in.get(key) != fill:
             stored = self.slots[slot]
             self._packed[key] = tuple(
                 native.pack(stored[o : o + p.nbytes], p.qtype, p.shape)
