@@ -162,8 +162,8 @@ _Static_assert(ROWS == 8, "WITH_M has a case for each row count 1..ROWS");
    bytes each (row r at r). The same bytes as the blocks, reordered, so a slot packs in
    place. With the rows across the lanes, one widened byte vector gives 16 rows' weights
    for element i (low nibbles) and i + 16 (high), each multiplied by one x value broadcast:
-   no per-block broadcast of a scale, no scalar tail and no sum across lanes, about a third
-   of the instructions per weight of the blocks as stored. Each output is
+   no per-block broadcast of a scale, no scalar tail and no sum across lanes: less than
+   half the instructions per weight of the blocks as stored. Each output is
        y[r, n] = sum_b (d[n, b] * (lo + hi) + m[n, b] * xsum[r, b])
    with lo = sum over i of q_lo[n, b, i] * x[r, b, i] and hi likewise for the high
    nibbles (Q4_0: q - 8, no m), in this order whatever m and the columns are. */

@@ -9,7 +9,7 @@ each expert alone on its rows, scaled and added in expert order.
 
 Where the cache has a slot for every expert (the model in memory), Q4_0 / Q4_1 weights
 are packed in their slot as the slot becomes ready (``native.pack``: 16 rows to a group,
-for a kernel with about a third of the instructions per weight) and stay packed. Every
+for a kernel with less than half the instructions per weight) and stay packed. Every
 product of an expert then reads the same packed bytes, so its bits do not depend on the
 policy or the batch. With fewer slots an expert is mostly fetched for one or two uses,
 and packing it cost more than those uses saved (docs/performance.md): it stays as stored.
