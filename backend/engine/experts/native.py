@@ -45,10 +45,9 @@ class NativeExperts(EagerExperts):
         n_experts = max((len(layer) for layer in self.experts), default=0)
         self.n_table_experts = n_experts
         self.table = (ctypes.c_uint64 * (4 * len(self.experts) * n_experts))()
-        # Resident experts packed in their slots: which of gate, up, down (``native.pack``),
-        # and the slot's generation they were packed in (a slot is packed once per fill).
-        self._packed: dict[tuple[int, int], tuple[bool, bool, bool]] = {}
-        self._packed_in: dict[tuple[int, int], tuple[int, int]] = {}
+        # Resident experts packed in their slots: the fill (slot, generation) they were
+        # packed in (a slot is packed once per fill) and which of gate, up, down packed.
+        self._packed: dict[tuple[int, int], tuple[tuple[int, int], tuple[bool, ...]]] = {}
         self.packs = self.cache.n_slots >= sum(len(layer) for layer in self.experts)
         self.cache.on_ready, self.cache.on_gone = self._resident, self._gone
         for key, slot in self.cache.slot_of.items():
@@ -62,29 +61,31 @@ class NativeExperts(EagerExperts):
             self._gone(key)
             return
         fill = (slot, self.cache.generation[slot])
-        if self.packs and self._packed_in.get(key) != fill:
+        if self.packs and self._packed.get(key, (None,))[0] != fill:
             stored = self.slots[slot]
-            self._packed[key] = tuple(
-                native.pack(stored[o : o + p.nbytes], p.qtype, p.shape)
-                for o, p in zip(at, self.experts[key[0]][key[1]].parts, strict=True)
+            self._packed[key] = (
+                fill,
+                tuple(
+                    native.pack(stored[o : o + p.nbytes], p.qtype, p.shape)
+                    for o, p in zip(at, self.experts[key[0]][key[1]].parts, strict=True)
+                ),
             )
-            self._packed_in[key] = fill
         row = self.slots.data_ptr() + slot * self.slots.stride(0)
         i = 4 * (key[0] * self.n_table_experts + key[1])
         self.table[i : i + 4] = [row + at[0], row + at[1], row + at[2], self._types(key, bits)]
 
     def _gone(self, key: tuple[int, int]) -> None:
         self._packed.pop(key, None)
-        self._packed_in.pop(key, None)
         i = 4 * (key[0] * self.n_table_experts + key[1])
         self.table[i : i + 4] = [0, 0, 0, 0]
 
     def _types(self, key: tuple[int, int], bits: int) -> int:
         """The kernels' type bits for ``key`` as its slot holds it (packed or not)."""
-        return native.packed_types(bits, self._packed.get(key, (False,) * 3))
+        entry = self._packed.get(key)
+        return bits if entry is None else native.packed_types(bits, entry[1])
 
     def dequantize(self, key: tuple[int, int], slot: int):
-        packed = self._packed.get(key, ())
+        packed = self._packed.get(key, (None, ()))[1]
         if not any(packed):
             return super().dequantize(key, slot)
         row, ref = self.slots[slot], self.experts[key[0]][key[1]]
@@ -105,7 +106,7 @@ class NativeExperts(EagerExperts):
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > NATIVE_MAX_ROWS:
             return super().mlp(layer, e, x)
-        packed = self._packed.get((layer, e), (False,) * 3)
+        packed = self._packed.get((layer, e), (None, (False,) * 3))[1]
         out = native.expert_mlp(self.stored_parts(layer, e), x, self.t.config.native_act, packed)
         if out is None:  # the start-up checks should make this impossible
             self.refused(f"expert {(layer, e)}")

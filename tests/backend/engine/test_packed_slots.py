@@ -45,10 +45,10 @@ def test_packed_slots_match_plain_generation(models, references, monkeypatch, ca
         resident = [k for k, s in eng.cache.slot_of.items() if eng.cache.ready[s]]
         if cache == "min":
             assert eng.cache.stats.evictions > 0 and not backend.packs
-            assert not any(any(p) for p in backend._packed.values())
+            assert not any(any(p) for _, p in backend._packed.values())
             return
         assert backend.packs and len(resident) == sum(len(layer) for layer in model.experts)
-        assert all(backend._packed[k] == (True, True, True) for k in resident)
+        assert all(backend._packed[k][1] == (True, True, True) for k in resident)
         for layer, e in resident:  # the walk's table names the packed codes
             types = backend.table[4 * (layer * backend.n_table_experts + e) + 3]
             assert {(types >> s) & 15 for s in (0, 4, 8)} <= set(native.PACKED_CODES.values())
