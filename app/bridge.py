@@ -107,6 +107,12 @@ class Bridge(QObject):
         """How the running engine computes experts (chosen when it started)."""
         return self.service.engine.expert_backend if self.service is not None else ""
 
+    @property
+    def memory_note(self) -> str:
+        """What the running engine holds for the model under the cache or memory budget,
+        and why ("cache auto: every expert, 1.52 GiB (19.8 GiB free, leaving 2.3 GiB)")."""
+        return self.service.engine.memory_plan.note if self.service is not None else ""
+
     def load(self, model_path: str | Path | None, config: EngineConfig) -> None:
         """(Re)start the engine on ``model_path`` (None: the demo MoE) in the background.
         Asked again while loading, the newest request runs once the current load ends."""

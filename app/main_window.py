@@ -310,6 +310,7 @@ class MainWindow(QMainWindow):
                 f"{c.device} · {c.storage} · policy {c.policy} · cache {c.cache} · "
                 f"experts {b.expert_backend}"
             )
+            self.status_engine.setToolTip(b.memory_note)
         else:
             self.status_model.setText(
                 {
@@ -321,8 +322,11 @@ class MainWindow(QMainWindow):
             self.status_engine.setText(f"{s['device']} · {s['storage']} · policy {s['policy']}")
         if snap is not None:
             experts = (snap.slots_bytes + snap.working_set_bytes) / 2**30
+            total = (
+                f" of {snap.memory_budget_bytes / 2**30:.2f}" if snap.memory_budget_bytes else ""
+            )
             memory = (
-                f" · memory {snap.rss_bytes / 2**30:.2f} GB (experts {experts:.2f} of "
+                f" · memory {snap.rss_bytes / 2**30:.2f}{total} GB (experts {experts:.2f} of "
                 f"{snap.cache_budget_bytes / 2**30:.2f} GB)"
                 if snap.rss_bytes
                 else ""
@@ -332,10 +336,12 @@ class MainWindow(QMainWindow):
                 f"both busy {snap.both_busy_frac:.0%}{memory}"
             )
             self.status_speed.setToolTip(
-                "Memory: the app's resident set. Experts: cache slots and decoded working "
-                "set, against the cache budget (Model → Settings → cache). Also held: "
+                "Memory: the app's resident set, against the total the cache was sized "
+                "in where it is auto. Experts: cache slots and decoded working set, "
+                "against the cache budget (Model → Settings → cache). Also held: "
                 f"dense weights {snap.dense_bytes / 2**20:.0f} MiB, "
-                f"KV caches {snap.kv_bytes / 2**20:.0f} MiB."
+                f"KV caches {snap.kv_bytes / 2**20:.0f} of "
+                f"{snap.kv_budget_bytes / 2**20:.0f} MiB."
             )
 
     def _on_metrics(self, snap: MetricsSnapshot) -> None:

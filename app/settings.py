@@ -6,13 +6,14 @@ one definition of a valid setting and of how it becomes an engine or sampling co
 
 from __future__ import annotations
 
-from backend.api import EngineConfig, SamplingParams, parse_cache_size
+from backend.api import EngineConfig, SamplingParams
 
 DEFAULTS: dict = {
     "model": "",  # empty: the demo MoE
     "device": "auto",
     "storage": "ssd",
-    "cache": "30%",
+    # Every expert where they fit in the memory free at load, else what fits.
+    "cache": "auto",
     "policy": "bevy",
     "max_active": 8,
     "temperature": 0.7,
@@ -54,7 +55,6 @@ def merged(saved: dict | None) -> dict:
 
 def engine_config(s: dict) -> EngineConfig:
     """Raises ValueError naming the bad field."""
-    parse_cache_size(s["cache"], 1000, 1)  # format check; the engine applies model limits
     if s.get("context_overflow", "rolling") not in OVERFLOWS:
         raise ValueError(f"context_overflow must be one of {', '.join(OVERFLOWS)}")
     return EngineConfig(

@@ -28,7 +28,7 @@ from backend.agent.loop import (
 from backend.agent.permissions import Rule, Rules
 from backend.agent.shell import describe_isolation, isolation
 from backend.agent.workspace import ToolError, Workspace
-from backend.config import EngineConfig, SamplingParams, parse_cache_size
+from backend.config import AUTO, EngineConfig, SamplingParams, parse_cache_size, system_memory
 from backend.errors import BevyError
 from backend.messages import (
     Abort,
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from backend.serving.service import EngineService
 
 __all__ = [
+    "AUTO",
     "POLICIES",
     "POLICY_NOTES",
     "Abort",
@@ -113,6 +114,7 @@ __all__ = [
     "server_stats",
     "snapshot_from_json",
     "start_api_server",
+    "system_memory",
     "system_prompt",
 ]
 

@@ -94,8 +94,125 @@ def parse_cache_size(spec: str | float | int, n_experts: int, slot_bytes: int) -
         return int(s)
     except ValueError:
         raise ValueError(
-            f"cache size {spec!r} is not a fraction (0.3), a percentage (30%), a count (288) or a size (512MiB)"
+            f"cache size {spec!r} is not auto, a fraction (0.3), a percentage (30%), "
+            "a count (288) or a size (512MiB)"
         ) from None
+
+
+AUTO = "auto"
+# What "auto" leaves free for the rest of the machine (the desktop, a browser, the page
+# cache): a tenth of the RAM, at least 1 GiB; llama.cpp's --fit leaves 1 GiB per device.
+_HEADROOM_MIN = 1 << 30
+_KV_DEFAULT = 2048 << 20  # KV budget where memory is not short (--kv-budget overrides)
+_KV_MIN = 64 << 20  # and where it is: a few thousand tokens of a small model's context
+
+
+def parse_size(spec: str | int, whole: int | None = None) -> int:
+    """Bytes for "512MiB", "2GiB", "1.5GB", "800MB" or a byte count; "60%" of ``whole``
+    where that is given."""
+    s = str(spec).strip()
+    try:
+        if s.endswith("%") and whole is not None:
+            pct = float(s[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError
+            return int(pct / 100 * whole)
+        for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("GB", 10**9), ("MB", 10**6)):
+            if s.endswith(unit):
+                value = float(s[: -len(unit)])
+                if not (math.isfinite(value) and value > 0):
+                    raise ValueError
+                return int(value * scale)
+        if int(s) > 0:
+            return int(s)
+        raise ValueError
+    except ValueError:
+        share = ", 60% (of the RAM)" if whole is not None else ""
+        raise ValueError(f"memory size {spec!r} is not a size: 4GiB, 4096MiB, 4GB{share}") from None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the engine holds for a model under the user's budget: cache slots, the KV
+    budget admission keeps to, and the total it was planned within (0: no total, an
+    explicit ``--cache``). ``note`` says which, for logs and the status bar."""
+
+    slots: int
+    kv_bytes: int
+    total_bytes: int
+    note: str
+
+
+def system_memory() -> tuple[int, int]:
+    """(total, available) bytes of RAM: what the OS would give without swapping."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.total, vm.available
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def plan_memory(
+    config: EngineConfig,
+    *,
+    n_experts: int,
+    slot_bytes: int,
+    min_slots: int,
+    held_bytes: int,
+    scratch_bytes: int,
+    free_bytes: int,
+    total_bytes: int,
+) -> MemoryPlan:
+    """Cache slots and KV budget for ``config`` on a model whose experts take
+    ``slot_bytes`` each. ``held_bytes``: what the process holds already (runtime, dense
+    weights); ``scratch_bytes``: what running requests may take besides KV (activations);
+    ``free_bytes``/``total_bytes``: the memory the OS has free now and in all.
+
+    An explicit ``cache`` is taken as given (KV: ``kv_budget_mib`` or 2 GiB). A
+    ``memory`` total, or with "auto" what is free less a headroom, is shared: the held
+    part and the scratch first, then the KV (its own budget if given, else a quarter of
+    what is left, between 64 MiB and 2 GiB) and the cache the rest, every expert if they fit; KV
+    takes what the cache leaves, up to its cap."""
+    kv_cap = (config.kv_budget_mib << 20) if config.kv_budget_mib else _KV_DEFAULT
+    if config.cache != AUTO:
+        slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
+        return MemoryPlan(slots, kv_cap, 0, f"cache {config.cache}: {_gib(slots * slot_bytes)}")
+    if config.memory:
+        total = parse_size(config.memory, total_bytes)
+        why = f"the {_gib(total)} memory budget"
+    else:
+        headroom = max(_HEADROOM_MIN, total_bytes // 10)
+        total = held_bytes + max(0, free_bytes - headroom)
+        why = f"{_gib(free_bytes)} free, leaving {_gib(headroom)}"
+    room = total - held_bytes - scratch_bytes
+    kv = kv_cap if config.kv_budget_mib else min(kv_cap, max(_KV_MIN, room // 4))
+    slots = min(n_experts, max(0, room - kv) // slot_bytes)
+    if slots < min_slots:
+        need = held_bytes + scratch_bytes + kv + min_slots * slot_bytes
+        if config.memory:
+            raise ValueError(
+                f"a memory budget of {_gib(total)} leaves no room for {min_slots} experts "
+                f"(one token's) after the {_gib(held_bytes)} already held (runtime, dense "
+                f"weights), {_gib(scratch_bytes)} of scratch and {_gib(kv)} of KV; "
+                f"it needs at least {_gib(need)}"
+            )
+        slots = min_slots
+        return MemoryPlan(
+            slots,
+            kv,
+            need,
+            f"memory is short ({why}): the smallest cache, {slots} experts; "
+            "close other programs or give --memory for more",
+        )
+    if not config.kv_budget_mib:
+        kv = min(kv_cap, room - slots * slot_bytes)
+    share = (
+        "every expert" if slots == n_experts else f"{100 * slots / n_experts:.0f} % of the experts"
+    )
+    return MemoryPlan(slots, kv, total, f"cache auto: {share}, {_gib(slots * slot_bytes)} ({why})")
 
 
 def _env_on(name: str) -> bool:
@@ -110,14 +227,20 @@ class EngineConfig:
     storage: str = (
         "ssd"  # "ssd": experts read from the model file with O_DIRECT; "host": all in RAM
     )
-    cache: str = "0.3"  # fraction, percentage, count or size (see parse_cache_size)
+    # Fraction, percentage, count or size (see parse_cache_size), or "auto": every expert
+    # where they fit in the memory free now (or in ``memory``), else what fits.
+    cache: str = AUTO
+    # A total for everything the engine's process holds (runtime, dense weights, cache,
+    # KV, scratch): "4GiB" or "60%" of the RAM; "" for none. With it the cache is "auto".
+    memory: str = ""
     # "lfu", "lru" or "reuse" (see backend/engine/cache.py). "reuse" fetches fewer experts,
     # but its bookkeeping runs on the engine thread between jobs, so it pays only where a
     # fetch is long against that Python (docs/performance.md has both measured).
     eviction: str = "lfu"
     policy: str = "bevy"
     max_active: int = 16  # requests running at once; more wait in the admission queue
-    kv_budget_mib: int = 2048
+    # KV bytes admission keeps running requests within; None: planned (``plan_memory``).
+    kv_budget_mib: int | None = None
     # Stored slots: dequantized weights of recently used cached experts, held inside the
     # cache budget (fewer slots). None or 0: none (what measured best; see the engine).
     working_set_mib: int | None = None
@@ -168,6 +291,12 @@ class EngineConfig:
             raise ValueError(f"working_set_mib must be >= 0, got {self.working_set_mib}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
-        if self.kv_budget_mib < 1:
+        if self.kv_budget_mib is not None and self.kv_budget_mib < 1:
             raise ValueError(f"kv_budget_mib must be >= 1, got {self.kv_budget_mib}")
+        if self.cache != AUTO:
+            parse_cache_size(self.cache, 1000, 1)  # the format; the engine applies limits
+        if self.memory:
+            if self.cache != AUTO:
+                raise ValueError("give a cache size or a memory budget, not both")
+            parse_size(self.memory, 1)
         policy_fields(self.policy)  # raises ValueError naming the known policies

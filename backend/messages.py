@@ -89,10 +89,13 @@ class MetricsSnapshot:
     n_experts: int = 0  # routed experts per layer
     tokens_total: int = 0
     expert_backend: str = ""  # the engine's expert-compute backend (backend/engine/experts)
-    # Memory in bytes: the process's resident set; the cache budget (``--cache``) and what
-    # of it the slots and the decoded working set hold; KV caches of running requests;
-    # the model's dense (resident, non-expert) weights.
+    # Memory in bytes: the process's resident set; the total it was planned within
+    # (``--memory``, or what "auto" found free; 0 for an explicit ``--cache``); the cache
+    # budget and what of it the slots and the decoded working set hold; KV caches of
+    # running requests and their budget; the model's dense (resident, non-expert) weights.
     rss_bytes: int = 0
+    memory_budget_bytes: int = 0
+    kv_budget_bytes: int = 0
     cache_budget_bytes: int = 0
     slots_bytes: int = 0
     working_set_bytes: int = 0

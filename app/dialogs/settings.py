@@ -33,7 +33,7 @@ from app.settings import (
     sampling,
     with_profile,
 )
-from backend.api import POLICY_NOTES
+from backend.api import AUTO, POLICY_NOTES, system_memory
 
 OVERFLOW_TEXT = {
     "rolling": "drop the oldest turns (keep the system prompt)",
@@ -88,7 +88,10 @@ class SettingsDialog(QDialog):
             "ssd: experts are read from the model file on demand (O_DIRECT); host: all in RAM"
         )
         self.cache = QLineEdit(str(settings["cache"]))
-        self.cache.setToolTip("A share of all experts (30%), a count (288) or a size (512MiB)")
+        self.cache.setToolTip(
+            "auto (every expert where they fit in free memory, else what fits), a share "
+            "of all experts (30%), a count (288) or a size (512MiB)"
+        )
         self.cache_cost = QLabel()
         self.cache_cost.setStyleSheet("color: palette(mid)")
         self.cache.textChanged.connect(self._show_cache_cost)
@@ -198,10 +201,17 @@ class SettingsDialog(QDialog):
         if entry is None or not entry.n_experts:
             self.cache_cost.setText("")
             return
+        if spec == AUTO:
+            _, free = system_memory()
+            self.cache_cost.setText(
+                f"every expert ({entry.experts_total_bytes / 2**30:.2f} GiB) where they fit "
+                f"in the memory free at load ({free / 2**30:.1f} GiB now), else what fits"
+            )
+            return
         try:
             held = entry.cache_bytes(spec)
         except ValueError:
-            self.cache_cost.setText("not a size: 30%, 0.3, 288 (experts) or 512MiB")
+            self.cache_cost.setText("not a size: auto, 30%, 0.3, 288 (experts) or 512MiB")
             return
         share = 100 * held / entry.experts_total_bytes if entry.experts_total_bytes else 0
         self.cache_cost.setText(

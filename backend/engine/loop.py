@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.config import EngineConfig, parse_cache_size
+from backend.config import EngineConfig, MemoryPlan, plan_memory, system_memory
 from backend.engine import experts
 from backend.engine.balance import WINDOW_S, Balancer
 from backend.engine.cache import Claims, ExpertCache
@@ -58,6 +58,14 @@ from backend.models.transformer import KVCache
 from backend.text.grammar import Matcher
 from backend.text.sampling import make_generator, sample
 from backend.text.stops import StopMatcher
+
+# The scratch a memory budget keeps beside KV, for what the process takes after the
+# engine starts: libraries loaded on first use, thread stacks, the allocator's slack, and
+# per row of the largest job this many float32 vectors of the model's width (hidden
+# states, attention and MoE inputs and outputs, the allocator keeping freed ones). Sized
+# from measurement (docs/performance.md, "Memory budgets").
+_SCRATCH_BASE = 128 << 20
+_SCRATCH_ROW_VECTORS = 64
 
 # While a long prompt's slices and other jobs are both ready, the share of compute time
 # the slices get. Half: a running chat decodes at no less than half its speed, and the
@@ -110,10 +118,11 @@ class Engine:
         dtype = model.transformer.dtype
         slot_bytes = decoded_numel * dtype.itemsize if fmt == "decoded" else self.store.slot_bytes
         n_experts = c.n_routed_experts
-        # The cache budget (``config.cache``) holds the slots and the decoded working set
-        # together: what the user sets is what the experts take.
-        budget_slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
-        self.cache_budget_bytes = budget_slots * slot_bytes
+        # The cache budget holds the slots and the decoded working set together: what the
+        # user sets (or "auto" finds room for) is what the experts take.
+        self.memory_plan = self._plan(n_experts, slot_bytes)
+        self.cache_budget_bytes = self.memory_plan.slots * slot_bytes
+        self.kv_budget_bytes = self.memory_plan.kv_bytes
         try:  # before the slots are allocated: a backend that cannot run fails first
             backend_name = experts.choose(
                 config.expert_backend,
@@ -219,6 +228,36 @@ class Engine:
         self._thread: threading.Thread | None = None
         # Tests set this to a dict to receive every request's logits (exactness checks).
         self.logits_log: dict[str, list[torch.Tensor]] | None = None
+
+    def _plan(self, n_experts: int, slot_bytes: int) -> MemoryPlan:
+        """Cache slots and KV budget under the user's budget (``plan_memory``), counting
+        what the process holds now: on a CUDA device its memory, elsewhere RAM (unified
+        on Apple silicon)."""
+        c, device = self.model.config, self.model.transformer.device
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            held = torch.cuda.memory_allocated(device)
+        else:
+            total, free = system_memory()
+            held = rss_bytes()
+        # Activations of the largest job (a prompt slice, or a whole prompt when slices
+        # are off) besides KV: what running requests take beyond what admission counts.
+        rows = self.config.prefill_chunk or min(c.context_length, 4096)
+        scratch = _SCRATCH_BASE + rows * c.hidden_size * 4 * _SCRATCH_ROW_VECTORS
+        try:
+            return plan_memory(
+                self.config,
+                n_experts=n_experts,
+                slot_bytes=slot_bytes,
+                min_slots=c.top_k,
+                held_bytes=held,
+                scratch_bytes=scratch,
+                free_bytes=free,
+                total_bytes=total,
+            )
+        except ValueError:
+            self.store.close()
+            raise
 
     def _warm_up_decoders(self) -> None:
         """Compile the fused expert decoders and dense-weight kernels now (seconds, once
@@ -374,10 +413,12 @@ class Engine:
             vocab = self.model.config.vocab_size
             if any(type(i) is not int or not 0 <= i < vocab for i in ids):
                 raise BevyError(f"prompt token ids must be in [0, {vocab})")
-            budget = self.config.kv_budget_mib << 20
-            if self._kv_bytes(min(len(ids) + msg.params.max_tokens, ctx)) > budget:
+            need = self._kv_bytes(min(len(ids) + msg.params.max_tokens, ctx))
+            if need > self.kv_budget_bytes:
                 raise BevyError(
-                    f"prompt + max_tokens needs more KV cache than the {self.config.kv_budget_mib} MiB budget"
+                    f"prompt + max_tokens needs {need >> 20} MiB of KV cache, more than the "
+                    f"{self.kv_budget_bytes >> 20} MiB budget (a larger --memory or "
+                    "--kv-budget, or fewer max_tokens)"
                 )
             tok = self.model.tokenizer
             grammar = None
@@ -415,7 +456,7 @@ class Engine:
         # Lockstep policies add requests only between steps, as llama.cpp's batch does.
         if self.policy.lockstep and any(r.layer != 0 or r.done for r in self.running):
             return
-        budget = self.config.kv_budget_mib << 20
+        budget = self.kv_budget_bytes
         used = sum(self._kv_need(r) for r in self.running)
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.config.max_active:
@@ -766,6 +807,8 @@ class Engine:
         return {
             "rss_bytes": rss_bytes(),
             "cache_budget_bytes": self.cache_budget_bytes,
+            "memory_budget_bytes": self.memory_plan.total_bytes,
+            "kv_budget_bytes": self.kv_budget_bytes,
             "slots_bytes": self.cache.n_slots * self.slot_bytes,
             "working_set_bytes": self.jobs.experts.n_decoded * self._expert_bytes,
             "kv_bytes": sum(r.kv.nbytes for r in self.running if r.kv is not None),

@@ -82,9 +82,25 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache",
-        default="0.3",
+        default="auto",
         help="expert cache budget: fraction, count or size; it holds the cache slots and "
-        "the working set",
+        "the working set (default auto: every expert where they fit in free memory, "
+        "leaving a tenth of the RAM or 1 GiB, else what fits)",
+    )
+    p.add_argument(
+        "--memory",
+        default="",
+        metavar="SIZE",
+        help="a total for the engine's process instead of --cache: runtime, dense weights, "
+        "expert cache, KV and scratch together (4GiB, 60%% of the RAM)",
+    )
+    p.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="KV cache of running requests, in MiB; more wait to start (default: a quarter "
+        "of what --memory leaves after the model, at most 2048)",
     )
     p.add_argument(
         "--working-set",
@@ -113,6 +129,8 @@ def _engine_config(args: argparse.Namespace):
             device=args.device,
             storage=args.storage,
             cache=args.cache,
+            memory=args.memory,
+            kv_budget_mib=args.kv_budget,
             eviction=args.eviction,
             policy=args.policy,
             max_active=args.max_active,
@@ -485,6 +503,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         service = on_fresh_thread(lambda: EngineService(_load(args), config))
     except ValueError as exc:  # model-dependent limits (cache size) checked by the engine
         raise BevyError(str(exc)) from None
+    print(f"bevy: {service.engine.memory_plan.note}", file=sys.stderr)
     try:
         serve_forever(
             service,

@@ -250,7 +250,8 @@ def run_headless(
         service = EngineService.open(model_path, config)
         out.write(
             f"{len(sessions)} concurrent sessions on {service.model_name} "
-            f"({config.device}, cache {config.cache}, policy {config.policy})\n"
+            f"({config.device}, policy {config.policy}; "
+            f"{service.engine.memory_plan.note})\n"
         )
         runs = _run(service, sessions, base, view)
         view.close()

@@ -461,10 +461,12 @@ class ApiServer:
                 "runahead": s.runahead,
                 "memory_mib": {
                     "rss": s.rss_bytes / 2**20,
+                    "budget": s.memory_budget_bytes / 2**20,  # 0: an explicit --cache
                     "cache_budget": s.cache_budget_bytes / 2**20,
                     "cache_slots": s.slots_bytes / 2**20,
                     "working_set": s.working_set_bytes / 2**20,
                     "kv": s.kv_bytes / 2**20,
+                    "kv_budget": s.kv_budget_bytes / 2**20,
                     "dense_weights": s.dense_bytes / 2**20,
                 },
                 "snapshot_age_s": max(0.0, time.perf_counter() - s.t),

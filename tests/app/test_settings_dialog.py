@@ -28,6 +28,8 @@ def test_the_cache_size_is_shown_in_mib_for_the_chosen_model(qtbot, tiny_chat_mo
     assert f"{3 * max(sizes) / 2**20:,.0f} MiB" in dialog.cache_cost.text()
     dialog.cache.setText("lots")
     assert "not a size" in dialog.cache_cost.text()
+    dialog.cache.setText("auto")  # the default: what it holds depends on the memory free
+    assert "every expert" in dialog.cache_cost.text() and "GiB now" in dialog.cache_cost.text()
     dialog.model.setCurrentIndex(dialog.model.findData(""))  # the demo MoE: not in entries
     assert dialog.cache_cost.text() == ""
 

@@ -105,3 +105,44 @@ def test_a_closed_engine_lets_go_of_its_slots_without_the_garbage_collector(
         assert engine() is None and slots() is None
     finally:
         gc.enable()
+
+
+def test_auto_holds_every_expert_of_a_model_that_fits(model: LoadedModel) -> None:
+    eng = _engine(model)  # the default cache, "auto"; this model's experts take < 1 MiB
+    try:
+        assert eng.cache.n_slots == model.config.n_routed_experts
+        assert "every expert" in eng.memory_plan.note
+        assert eng.memory_plan.total_bytes > eng.memory()["rss_bytes"]
+    finally:
+        eng.close()
+
+
+def test_a_memory_budget_sizes_cache_and_kv_from_what_the_process_holds(demo) -> None:
+    from backend.engine.memory import rss_bytes
+
+    budget = rss_bytes() + (400 << 20)  # a byte count: what is held now, and 400 MiB
+    eng = Engine(demo, EngineConfig(memory=str(budget), expert_backend="eager"))
+    try:
+        n = demo.config.n_routed_experts
+        assert eng.memory_plan.total_bytes == budget
+        assert 0 < eng.cache.n_slots < n and "% of the experts" in eng.memory_plan.note
+        # The slots and the KV fit in what the held part leaves, less the scratch.
+        assert eng.cache_budget_bytes + eng.kv_budget_bytes < 400 << 20
+        assert eng.kv_budget_bytes >= 64 << 20
+        # A request whose KV cannot fit in that budget fails alone, saying so.
+        tokens = eng.kv_budget_bytes // eng.kv_bytes_per_token + 10
+        too_long = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        eng.submit(Submit("long", too_long, prompt_ids=[1, 2, 3]))
+        eng.submit(Submit("ok", SamplingParams(max_tokens=2), prompt_ids=[1, 2, 3]))
+        eng.run_until_idle(600)
+        events = []
+        while not eng.events.empty():
+            events.append(eng.events.get())
+        errors = [e for e in events if type(e).__name__ == "ErrorEvent"]
+        assert [e.request_id for e in errors] == ["long"]
+        assert "MiB budget (a larger --memory or --kv-budget" in errors[0].message
+        assert any(type(e).__name__ == "Finished" and e.request_id == "ok" for e in events)
+        snap = eng.snapshot()
+        assert snap.memory_budget_bytes == budget and snap.kv_budget_bytes == eng.kv_budget_bytes
+    finally:
+        eng.close()

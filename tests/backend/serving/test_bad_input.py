@@ -210,3 +210,13 @@ def test_generate_with_tools_prints_content_and_calls(tiny_chat_moe: Path, tmp_p
     assert set(reply) == {"content", "tool_calls"} and isinstance(reply["tool_calls"], list)
     path.write_text('{"not": "a list"}')
     assert_clean_error(run_cli(*args, "x"), path, "tools must be a JSON list")
+
+
+def test_a_memory_budget_too_small_or_beside_a_cache_is_a_clean_error(
+    tiny_chat_moe: Path,
+) -> None:
+    done = run_cli("serve", "--model", str(tiny_chat_moe), "--memory", "1MiB", "--port", "0")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "a memory budget of 1 MiB" in done.stderr and "needs at least" in done.stderr
+    done = run_cli("serve", "--model", str(tiny_chat_moe), "--memory", "4GiB", "--cache", "0.3")
+    assert done.returncode == 2 and "not both" in done.stderr and "Traceback" not in done.stderr
