@@ -14,6 +14,8 @@ DEFAULTS: dict = {
     "storage": "ssd",
     # Every expert where they fit in the memory free at load, else what fits.
     "cache": "auto",
+    # A total for the engine (runtime, dense weights, cache, KV): "" none, "4GiB", "60%".
+    "memory": "",
     "policy": "bevy",
     "max_active": 8,
     "temperature": 0.7,
@@ -26,7 +28,7 @@ DEFAULTS: dict = {
     "api_port": 8080,
     "api_key": "",
 }
-ENGINE_KEYS = ("model", "device", "storage", "cache", "policy", "max_active")
+ENGINE_KEYS = ("model", "device", "storage", "cache", "memory", "policy", "max_active")
 DEVICES = ("auto", "cuda", "mps", "cpu")
 STORAGES = ("ssd", "host")
 POLICIES = ("bevy", "sync", "prefetch-gate", "prefetch-history")
@@ -61,6 +63,7 @@ def engine_config(s: dict) -> EngineConfig:
         device=s["device"],
         storage=s["storage"],
         cache=str(s["cache"]),
+        memory=str(s["memory"]).strip(),
         policy=s["policy"],
         max_active=int(s["max_active"]),
     )

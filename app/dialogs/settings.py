@@ -92,6 +92,14 @@ class SettingsDialog(QDialog):
             "auto (every expert where they fit in free memory, else what fits), a share "
             "of all experts (30%), a count (288) or a size (512MiB)"
         )
+        self.memory = QLineEdit(
+            str(settings["memory"]), placeholderText="none (4GiB, or 60% of the RAM)"
+        )
+        self.memory.setToolTip(
+            "One total for the app's process: the window, runtime, dense weights, expert "
+            "cache, KV and scratch. The expert cache (auto) gets what the rest leaves."
+        )
+        self.memory.textChanged.connect(self._show_cache_cost)
         self.cache_cost = QLabel()
         self.cache_cost.setStyleSheet("color: palette(mid)")
         self.cache.textChanged.connect(self._show_cache_cost)
@@ -135,6 +143,7 @@ class SettingsDialog(QDialog):
         form.addRow("Model", model_row)
         form.addRow("Device", self.device)
         form.addRow("Max concurrent requests", self.max_active)
+        form.addRow("Memory limit", self.memory)
         own = QGroupBox("This model (remembered for it, used whenever it loads)")
         form = QFormLayout(own)
         form.addRow("Expert storage", self.storage)
@@ -201,11 +210,17 @@ class SettingsDialog(QDialog):
         if entry is None or not entry.n_experts:
             self.cache_cost.setText("")
             return
+        if spec == AUTO and self.memory.text().strip():
+            self.cache_cost.setText(
+                "what the memory limit leaves for experts (all of them: "
+                f"{entry.experts_total_bytes / 2**30:.2f} GiB)"
+            )
+            return
         if spec == AUTO:
             _, free = system_memory()
             self.cache_cost.setText(
-                f"every expert ({entry.experts_total_bytes / 2**30:.2f} GiB) where they fit "
-                f"in the memory free at load ({free / 2**30:.1f} GiB now), else what fits"
+                f"every expert ({entry.experts_total_bytes / 2**30:.2f} GiB) if they fit "
+                f"in free memory ({free / 2**30:.1f} GiB now)"
             )
             return
         try:
@@ -237,6 +252,7 @@ class SettingsDialog(QDialog):
             "device": self.device.currentText(),
             "storage": self.storage.currentText(),
             "cache": self.cache.text().strip(),
+            "memory": self.memory.text().strip(),
             "policy": self.policy.currentText(),
             "context_overflow": self.overflow.currentData(),
             "max_active": self.max_active.value(),

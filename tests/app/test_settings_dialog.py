@@ -30,6 +30,16 @@ def test_the_cache_size_is_shown_in_mib_for_the_chosen_model(qtbot, tiny_chat_mo
     assert "not a size" in dialog.cache_cost.text()
     dialog.cache.setText("auto")  # the default: what it holds depends on the memory free
     assert "every expert" in dialog.cache_cost.text() and "GiB now" in dialog.cache_cost.text()
+    dialog.memory.setText("4GiB")  # one total: the cache gets what it leaves
+    assert "what the memory limit leaves" in dialog.cache_cost.text()
+    dialog.cache.setText("30%")  # a cache size beside a memory limit: refused, saying why
+    dialog.accept()
+    assert "not both" in dialog.error.text() and dialog.result() == 0
+    dialog.cache.setText("auto")
+    dialog.memory.setText("lots")
+    dialog.accept()
+    assert "is not a size" in dialog.error.text()
+    dialog.memory.setText("")
     dialog.model.setCurrentIndex(dialog.model.findData(""))  # the demo MoE: not in entries
     assert dialog.cache_cost.text() == ""
 
