@@ -1,12 +1,18 @@
 """What the engine's process holds in memory, step by step, on one model.
 
     python benchmarks/resident_memory.py [--model GGUF] [--cache 0.3] [--prompt-tokens 1200]
+        [--memory 1100MiB --chats 8]
 
 Prints the process's anonymous resident memory (``RssAnon``: what no file backs) after
 importing the engine, after loading the model, after starting an engine, and the peak
 (sampled every millisecond) while that engine reads one long prompt (the first bundled
 agentic conversation, cut to ``--prompt-tokens``) and writes one token; then the dense
 weights as held, the cache slots' budget, and whether Inductor was ever imported.
+
+With ``--memory`` (the engine's whole budget, its cache "auto") it prints the plan, and
+the peak whole resident set (``rss_bytes``: file-backed pages too, what the budget
+counts) against it; ``--chats N`` first decodes N bundled chats (64 tokens each), then
+reads the prompt beside N/2 more.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the demo MoE)")
     ap.add_argument("--cache", default="0.3")
+    ap.add_argument("--memory", default="", help="a total budget instead of --cache")
+    ap.add_argument("--chats", type=int, default=0, help="chats decoded before and beside")
     ap.add_argument("--prompt-tokens", type=int, default=1200)
     args = ap.parse_args()
 
@@ -39,32 +47,47 @@ def main() -> int:
     from backend.config import EngineConfig, SamplingParams
     from backend.demo.build import ensure_demo
     from backend.engine.loop import Engine
+    from backend.engine.memory import rss_bytes
     from backend.messages import Submit
     from backend.models.loader import load_model
 
     print(f"imported          {anon_mib():7.0f} MiB")
     model = load_model(args.model or ensure_demo(quiet=True))
     print(f"model loaded      {anon_mib():7.0f} MiB")
-    eng = Engine(model, EngineConfig(policy="bevy", cache=args.cache))
-    print(f"engine started    {anon_mib():7.0f} MiB")
+    cache = "auto" if args.memory else args.cache
+    eng = Engine(model, EngineConfig(policy="bevy", cache=cache, memory=args.memory))
+    print(f"engine started    {anon_mib():7.0f} MiB (resident {rss_bytes() >> 20} MiB)")
+    print(f"plan: {eng.memory_plan.note}, KV budget {eng.kv_budget_bytes >> 20} MiB")
     record = load_workload("agentic")[0]
     text = "\n".join(str(m.get("content")) for m in record["messages"])
     ids = model.tokenizer.encode(text)[: args.prompt_tokens]
-    peak, done = [0.0], threading.Event()
+    peak, whole, done = [0.0], [0], threading.Event()
 
     def watch() -> None:
         while not done.is_set():
             peak[0] = max(peak[0], anon_mib())
+            whole[0] = max(whole[0], rss_bytes())
             time.sleep(0.001)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
+    chats = load_workload("chat")[: args.chats]
+    talk = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i, rec in enumerate(chats):
+        eng.submit(Submit(f"chat{i}", talk, messages=rec["messages"]))
+    eng.run_until_idle(3600)
+    if chats:
+        print(f"peak, {len(chats)} chats    {whole[0] >> 20:7d} MiB resident")
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     eng.submit(Submit("prompt", params, prompt_ids=ids))
+    for i, rec in enumerate(chats[: len(chats) // 2]):
+        eng.submit(Submit(f"beside{i}", talk, messages=rec["messages"]))
     eng.run_until_idle(3600)
     done.set()
     watcher.join()
     print(f"peak, {len(ids)}-token prompt {peak[0]:7.0f} MiB")
+    budget = f" of a {eng.memory_plan.total_bytes >> 20} MiB budget" if args.memory else ""
+    print(f"peak resident      {whole[0] >> 20:6d} MiB{budget}")
     print(f"dense weights held {model.transformer.held_bytes() / 2**20:6.0f} MiB")
     print(f"cache slots budget {eng.cache_budget_bytes / 2**20:6.0f} MiB")
     print(f"Inductor imported: {'torch._inductor' in sys.modules}")
