@@ -239,6 +239,10 @@ class EngineConfig:
     eviction: str = "lfu"
     policy: str = "bevy"
     max_active: int = 16  # requests running at once; more wait in the admission queue
+    # Where the cache has a slot for every expert, the link reads them all from the start,
+    # a few at a time behind any request's own reads, so that no first use waits on the
+    # disk (llama.cpp's warm-up touches every expert too).
+    warm: bool = True
     # KV bytes admission keeps running requests within; None: planned (``plan_memory``).
     kv_budget_mib: int | None = None
     # Stored slots: dequantized weights of recently used cached experts, held inside the

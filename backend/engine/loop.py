@@ -32,10 +32,10 @@ from backend.config import EngineConfig, MemoryPlan, plan_memory, system_memory
 from backend.engine import experts
 from backend.engine.balance import WINDOW_S, Balancer
 from backend.engine.cache import Claims, ExpertCache
-from backend.engine.fetcher import Fetcher
+from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.jobs import JobRunner
 from backend.engine.memory import rss_bytes
-from backend.engine.prefetch import Prefetcher
+from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, progress, prompt_part, riders, split
 from backend.engine.store import open_store
@@ -66,6 +66,12 @@ from backend.text.stops import StopMatcher
 # from measurement (docs/performance.md, "Memory budgets").
 _SCRATCH_BASE = 128 << 20
 _SCRATCH_ROW_VECTORS = 64
+
+# Warm-up reads (``EngineConfig.warm``) go after every demand read and prefetch, and at
+# most this many are queued at once: a request that claims an expert still being warmed
+# waits behind no more than these.
+_WARM_PRIORITY = (PREFETCH_PRIORITY + 1,)
+_WARM_QUEUED = 2 * QUEUED_EXPERTS
 
 # While a long prompt's slices and other jobs are both ready, the share of compute time
 # the slices get. Half: a running chat decodes at no less than half its speed, and the
@@ -203,6 +209,13 @@ class Engine:
             decode=dtype if fmt == "decoded" else None,
             use_aio=config.aio,
         )
+        # Every expert, layer by layer, where each has a slot; those being read now.
+        self._warm: deque[tuple[int, int]] = deque()
+        if config.warm and self.cache.n_slots >= self._n_routed:
+            self._warm.extend(
+                (i, e) for i, layer in enumerate(model.experts) for e in range(len(layer))
+            )
+        self._warming: set[tuple[int, int]] = set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids: set[str] = set()
@@ -333,6 +346,8 @@ class Engine:
         split run, ``scheduler.split``, does not count: no request moved on)."""
         self.jobs.stop.value = 0  # what arrives from here on is drained after the next job
         self._drain(block=False)
+        if self._warm and not self._warming:  # the first step; after it, each read's end
+            self._warm_more()
         self._admit()
         group = self._schedule()
         if isinstance(group, Request):
@@ -379,6 +394,9 @@ class Engine:
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, _FetchDone):
+            if msg.key in self._warming:
+                self._warming.discard(msg.key)
+                self._warm_more()
             if msg.error is not None:
                 for r in self.claims.cancel(msg.key, list(self.running)):
                     self._emit(ErrorEvent(r.id, msg.error, server=True))
@@ -529,6 +547,21 @@ class Engine:
             priority = self.policy.fetch_priority(r, len(orders), self._tick)
             for k, slot in orders:
                 self.fetcher.submit(priority, k, self.model.experts[k[0]][k[1]], slot)
+
+    def _warm_more(self) -> None:
+        """Queue the next warm-up reads: experts no request has brought in, unpinned."""
+        cache = self.cache
+        while self._warm and len(self._warming) < _WARM_QUEUED and not self._stopped:
+            k = self._warm.popleft()
+            if cache.is_present(k):
+                continue
+            slot = cache.reserve(k)
+            if slot is None:  # cannot happen with a slot for every expert; stop if it does
+                self._warm.clear()
+                return
+            cache.unpin(k)
+            self._warming.add(k)
+            self.fetcher.submit(_WARM_PRIORITY, k, self.model.experts[k[0]][k[1]], slot, True)
 
     def _ready(self, r: Request) -> bool:
         return r.claimed and all(self.cache.is_ready(k) for k in r.claim)

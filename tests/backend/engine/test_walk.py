@@ -109,7 +109,7 @@ def _one_request(model, monkeypatch, walk: bool) -> tuple[list[int], torch.Tenso
     monkeypatch.undo()
     if not walk:
         monkeypatch.setattr(JobRunner, "run_through", lambda self, group: None)
-    eng = Engine(model, EngineConfig(policy="bevy", cache="1.0", storage="host"))
+    eng = Engine(model, EngineConfig(policy="bevy", cache="1.0", storage="host", warm=False))
     eng.logits_log = {}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eng.submit(Submit("a", params, prompt_ids=PROMPTS[2]))
@@ -139,7 +139,7 @@ def test_a_walk_gives_the_bits_of_the_layer_jobs_and_counts_their_uses(
 def _at_layer_one(model) -> tuple[Engine, object]:
     """An engine with every expert its request needs resident, and that request decoding,
     before layer 1's MoE with its experts claimed (as ``_run`` would find it)."""
-    eng = Engine(model, EngineConfig(policy="bevy", cache="1.0", storage="host"))
+    eng = Engine(model, EngineConfig(policy="bevy", cache="1.0", storage="host", warm=False))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     eng.submit(Submit("a", params, prompt_ids=PROMPTS[0]))
     eng.run_until_idle(60)  # loads every expert the same prompt needs again
