@@ -174,8 +174,8 @@ def plan_memory(
     An explicit ``cache`` is taken as given (KV: ``kv_budget_mib`` or 2 GiB). A
     ``memory`` total, or with "auto" what is free less a headroom, is shared: the held
     part and the scratch first, then the KV (its own budget if given, else a quarter of
-    what is left, between 64 MiB and 2 GiB) and the cache the rest, every expert if they fit; KV
-    takes what the cache leaves, up to its cap."""
+    what is left, between 64 MiB and 2 GiB) and the cache the rest, every expert if
+    they fit; KV then takes what the cache leaves, up to its cap."""
     kv_cap = (config.kv_budget_mib << 20) if config.kv_budget_mib else _KV_DEFAULT
     if config.cache != AUTO:
         slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
