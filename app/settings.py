@@ -51,19 +51,27 @@ def with_profile(s: dict, model: str, profiles: dict | None) -> dict:
 
 
 def merged(saved: dict | None) -> dict:
-    """Saved settings over the defaults; unknown keys dropped."""
-    return {k: (saved or {}).get(k, v) for k, v in DEFAULTS.items()}
+    """Saved settings over the defaults; unknown keys dropped. Settings saved before the
+    memory limit existed hold the old default cache, 30 %, for every user who saved any
+    setting: those get auto, the new default."""
+    out = {k: (saved or {}).get(k, v) for k, v in DEFAULTS.items()}
+    if saved and "memory" not in saved and str(saved.get("cache")) == "30%":
+        out["cache"] = DEFAULTS["cache"]
+    return out
 
 
 def engine_config(s: dict) -> EngineConfig:
     """Raises ValueError naming the bad field."""
     if s.get("context_overflow", "rolling") not in OVERFLOWS:
         raise ValueError(f"context_overflow must be one of {', '.join(OVERFLOWS)}")
+    memory = str(s["memory"]).strip()
     return EngineConfig(
         device=s["device"],
         storage=s["storage"],
-        cache=str(s["cache"]),
-        memory=str(s["memory"]).strip(),
+        # The memory limit is the app's, the cache size each model's: with a limit, the
+        # cache is what it leaves, whatever a model's own settings say.
+        cache="auto" if memory else str(s["cache"]),
+        memory=memory,
         policy=s["policy"],
         max_active=int(s["max_active"]),
     )

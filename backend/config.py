@@ -144,11 +144,48 @@ class MemoryPlan:
 
 
 def system_memory() -> tuple[int, int]:
-    """(total, available) bytes of RAM: what the OS would give without swapping."""
+    """(total, available) bytes of RAM: what the OS would give without swapping, within
+    the process's memory cgroup's limit where it has one (a container's, say), which
+    psutil does not see."""
     import psutil
 
     vm = psutil.virtual_memory()
-    return vm.total, vm.available
+    total, available = vm.total, vm.available
+    limit = _cgroup_limit()
+    if limit is not None:
+        limit_bytes, used = limit
+        total, available = min(total, limit_bytes), min(available, max(0, limit_bytes - used))
+    return total, available
+
+
+def _cgroup_limit(
+    proc: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup"
+) -> tuple[int, int] | None:
+    """(limit, usage) of this process's memory cgroup (v2, else v1); None without one."""
+    from pathlib import Path
+
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            root, names = Path(mount), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            root = Path(mount) / "memory"
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        # In a container the group is often mounted as the root itself.
+        for base in (root / path.lstrip("/"), root):
+            try:
+                limit, used = ((base / n).read_text().strip() for n in names)
+            except OSError:
+                continue
+            if limit.isdigit() and int(limit) < 1 << 60:  # "max", or v1's huge "no limit"
+                return int(limit), int(used)
+    return None
 
 
 def _gib(n: int) -> str:
@@ -204,8 +241,8 @@ def plan_memory(
             slots,
             kv,
             need,
-            f"memory is short ({why}): the smallest cache, {slots} experts; "
-            "close other programs or give --memory for more",
+            f"memory is short ({why}; KV {_gib(kv)}): the smallest cache, {slots} "
+            "experts; close other programs or give --memory for more",
         )
     if not config.kv_budget_mib:
         kv = min(kv_cap, room - slots * slot_bytes)
@@ -297,6 +334,9 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.kv_budget_mib is not None and self.kv_budget_mib < 1:
             raise ValueError(f"kv_budget_mib must be >= 1, got {self.kv_budget_mib}")
+        cache = str(self.cache).strip()
+        object.__setattr__(self, "cache", AUTO if cache.lower() == AUTO else cache)
+        object.__setattr__(self, "memory", str(self.memory).strip())
         if self.cache != AUTO:
             parse_cache_size(self.cache, 1000, 1)  # the format; the engine applies limits
         if self.memory:

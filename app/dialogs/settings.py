@@ -97,7 +97,8 @@ class SettingsDialog(QDialog):
         )
         self.memory.setToolTip(
             "One total for the app's process: the window, runtime, dense weights, expert "
-            "cache, KV and scratch. The expert cache (auto) gets what the rest leaves."
+            "cache, KV and scratch. The expert cache gets what the rest leaves, whatever a "
+            "model's own cache size."
         )
         self.memory.textChanged.connect(self._show_cache_cost)
         self.cache_cost = QLabel()
@@ -207,10 +208,12 @@ class SettingsDialog(QDialog):
         """What the cache size means for the chosen model: MiB and share of its experts."""
         entry = self._entries.get(self._model_value())
         spec = self.cache.text().strip()
+        limited = bool(self.memory.text().strip())
+        self.cache.setEnabled(not limited)  # the limit sizes the cache (settings.engine_config)
         if entry is None or not entry.n_experts:
             self.cache_cost.setText("")
             return
-        if spec == AUTO and self.memory.text().strip():
+        if limited:
             self.cache_cost.setText(
                 "what the memory limit leaves for experts (all of them: "
                 f"{entry.experts_total_bytes / 2**30:.2f} GiB)"

@@ -83,6 +83,9 @@ def run_once(
         policy=policy,
         max_active=len(prompts),
         kv_budget_mib=1 << 16,
+        # Policies are compared on the reads their requests need: no warm-up reads in the
+        # link's figures (a 100 % cache would otherwise read every expert meanwhile).
+        warm=False,
         metrics_interval_s=3600,
         slot_format=plan.slot_format,
         expert_backend=plan.expert_backend,

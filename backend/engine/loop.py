@@ -253,9 +253,11 @@ class Engine:
         else:
             total, free = system_memory()
             held = rss_bytes()
-        # Activations of the largest job (a prompt slice, or a whole prompt when slices
-        # are off) besides KV: what running requests take beyond what admission counts.
-        rows = self.config.prefill_chunk or min(c.context_length, 4096)
+        # Activations of the largest job (a prompt slice, or a whole prompt where slices
+        # are off or the policy never slices) besides KV: what running requests take
+        # beyond what admission counts.
+        together = self.policy.lockstep or self.policy.group_size
+        rows = (0 if together else self.config.prefill_chunk) or min(c.context_length, 4096)
         scratch = _SCRATCH_BASE + rows * c.hidden_size * 4 * _SCRATCH_ROW_VECTORS
         try:
             return plan_memory(
@@ -705,7 +707,7 @@ class Engine:
         through = (
             not ride
             and len(group) == len(self.running)
-            and not self.cache.n_loading
+            and self.cache.n_loading == len(self._warming)  # a walk stops at one not in
             and (self.prefetcher is None or self.cache.n_slots >= self._n_routed)
         )
         walked = self.jobs.run_through(group) if through else None

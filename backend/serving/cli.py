@@ -92,15 +92,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default="",
         metavar="SIZE",
         help="a total for the engine's process instead of --cache: runtime, dense weights, "
-        "expert cache, KV and scratch together (4GiB, 60%% of the RAM)",
+        "expert cache, KV and scratch together (4GiB, 60%% of the RAM; on CUDA, of the "
+        "GPU's memory)",
     )
     p.add_argument(
         "--kv-budget",
         type=int,
         default=None,
         metavar="MIB",
-        help="KV cache of running requests, in MiB; more wait to start (default: a quarter "
-        "of what --memory leaves after the model, at most 2048)",
+        help="KV cache of running requests, in MiB; more wait to start (default 2048; "
+        "where the cache is auto, what it leaves, at least a quarter of the room after "
+        "the model, up to 2048)",
     )
     p.add_argument(
         "--working-set",

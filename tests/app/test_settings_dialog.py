@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.dialogs.settings import SettingsDialog
-from app.settings import DEFAULTS
+from app.settings import DEFAULTS, engine_config, merged
 from backend.models.loader import inspect_model
 from backend.serving.catalog import describe as describe_model
 
@@ -30,16 +30,17 @@ def test_the_cache_size_is_shown_in_mib_for_the_chosen_model(qtbot, tiny_chat_mo
     assert "not a size" in dialog.cache_cost.text()
     dialog.cache.setText("auto")  # the default: what it holds depends on the memory free
     assert "every expert" in dialog.cache_cost.text() and "GiB now" in dialog.cache_cost.text()
+    dialog.cache.setText("30%")
     dialog.memory.setText("4GiB")  # one total: the cache gets what it leaves
     assert "what the memory limit leaves" in dialog.cache_cost.text()
-    dialog.cache.setText("30%")  # a cache size beside a memory limit: refused, saying why
-    dialog.accept()
-    assert "not both" in dialog.error.text() and dialog.result() == 0
-    dialog.cache.setText("auto")
+    assert not dialog.cache.isEnabled()  # a model's own cache size does not apply
+    assert engine_config(dialog.values()).cache == "auto"
+    assert engine_config(dialog.values()).memory == "4GiB"
     dialog.memory.setText("lots")
     dialog.accept()
-    assert "is not a size" in dialog.error.text()
+    assert "is not a size" in dialog.error.text() and dialog.result() == 0
     dialog.memory.setText("")
+    assert dialog.cache.isEnabled()
     dialog.model.setCurrentIndex(dialog.model.findData(""))  # the demo MoE: not in entries
     assert dialog.cache_cost.text() == ""
 
@@ -75,3 +76,11 @@ def test_each_model_keeps_its_own_settings_and_gets_them_back_when_loaded(
     dialog.reject()
     w.close()
     store.close()
+
+
+def test_settings_saved_with_the_old_default_cache_get_auto() -> None:
+    """Before the memory limit existed every saved setting held the default cache, 30 %."""
+    old = {k: v for k, v in DEFAULTS.items() if k != "memory"}
+    assert merged({**old, "cache": "30%"})["cache"] == "auto"
+    assert merged({**old, "cache": "50%"})["cache"] == "50%"  # chosen: kept
+    assert merged({**DEFAULTS, "cache": "30%"})["cache"] == "30%"  # saved since: chosen
