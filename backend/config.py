@@ -83,9 +83,8 @@ def parse_cache_size(spec: str | float | int, n_experts: int, slot_bytes: int) -
     try:
         if s.endswith("%"):
             return max(0, round(float(s[:-1]) / 100 * n_experts))
-        for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("GB", 10**9), ("MB", 10**6)):
-            if s.endswith(unit):
-                return int(float(s[: -len(unit)]) * scale) // slot_bytes
+        if s.endswith("B"):
+            return parse_size(s) // slot_bytes
         if "." in s or "e" in s.lower():
             frac = float(s)
             if not 0 < frac <= 1:

@@ -124,6 +124,10 @@ class Engine:
         dtype = model.transformer.dtype
         slot_bytes = decoded_numel * dtype.itemsize if fmt == "decoded" else self.store.slot_bytes
         n_experts = c.n_routed_experts
+        # Lockstep policies move the whole batch layer by layer, as llama.cpp's batch, and
+        # bevy-static its fixed groups: a prompt's slices would leave its batch behind.
+        together = self.policy.lockstep or self.policy.group_size
+        self.prefill_chunk = 0 if together else config.prefill_chunk
         # The cache budget holds the slots and the decoded working set together: what the
         # user sets (or "auto" finds room for) is what the experts take.
         self.memory_plan = self._plan(n_experts, slot_bytes)
@@ -221,10 +225,6 @@ class Engine:
         self._ids: set[str] = set()
         self._arrivals = itertools.count()
         self._tick = 0
-        # Lockstep policies move the whole batch layer by layer, as llama.cpp's batch, and
-        # bevy-static its fixed groups: a prompt's slices would leave its batch behind.
-        together = self.policy.lockstep or self.policy.group_size
-        self.prefill_chunk = 0 if together else config.prefill_chunk
         # Prompts a split run may start on (``scheduler.split``): those read whole.
         self._split_rows = self.prefill_chunk or sys.maxsize
         # Compute seconds of slices and of other jobs while both were ready (see ``_pick``),
@@ -256,8 +256,7 @@ class Engine:
         # Activations of the largest job (a prompt slice, or a whole prompt where slices
         # are off or the policy never slices) besides KV: what running requests take
         # beyond what admission counts.
-        together = self.policy.lockstep or self.policy.group_size
-        rows = (0 if together else self.config.prefill_chunk) or min(c.context_length, 4096)
+        rows = self.prefill_chunk or min(c.context_length, 4096)
         scratch = _SCRATCH_BASE + rows * c.hidden_size * 4 * _SCRATCH_ROW_VECTORS
         try:
             return plan_memory(

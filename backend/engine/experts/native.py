@@ -79,13 +79,18 @@ class NativeExperts(EagerExperts):
         i = 4 * (key[0] * self.n_table_experts + key[1])
         self.table[i : i + 4] = [0, 0, 0, 0]
 
+    def _parts_packed(self, key: tuple[int, int]) -> tuple[bool, ...]:
+        """Which of gate, up, down are packed in ``key``'s slot (none if not resident)."""
+        entry = self._packed.get(key)
+        return entry[1] if entry is not None else (False, False, False)
+
     def _types(self, key: tuple[int, int], bits: int) -> int:
         """The kernels' type bits for ``key`` as its slot holds it (packed or not)."""
         entry = self._packed.get(key)
         return bits if entry is None else native.packed_types(bits, entry[1])
 
     def dequantize(self, key: tuple[int, int], slot: int):
-        packed = self._packed.get(key, (None, ()))[1]
+        packed = self._parts_packed(key)
         if not any(packed):
             return super().dequantize(key, slot)
         row, ref = self.slots[slot], self.experts[key[0]][key[1]]
@@ -106,7 +111,7 @@ class NativeExperts(EagerExperts):
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > NATIVE_MAX_ROWS:
             return super().mlp(layer, e, x)
-        packed = self._packed.get((layer, e), (None, (False,) * 3))[1]
+        packed = self._parts_packed((layer, e))
         out = native.expert_mlp(self.stored_parts(layer, e), x, self.t.config.native_act, packed)
         if out is None:  # the start-up checks should make this impossible
             self.refused(f"expert {(layer, e)}")
