@@ -1,7 +1,7 @@
 """What the engine's process holds in memory, step by step, on one model.
 
     python benchmarks/resident_memory.py [--model GGUF] [--cache 0.3] [--prompt-tokens 1200]
-        [--memory 1100MiB --chats 8]
+        [--memory 1100MiB --chats 8] [--device cuda]
 
 Prints the process's anonymous resident memory (``RssAnon``: what no file backs) after
 importing the engine, after loading the model, after starting an engine, and the peak
@@ -13,6 +13,10 @@ With ``--memory`` (the engine's whole budget, its cache "auto") it prints the pl
 the peak whole resident set (``rss_bytes``: file-backed pages too, what the budget
 counts) against it; ``--chats N`` first decodes N bundled chats (64 tokens each), then
 reads the prompt beside N/2 more.
+
+With ``--device cuda`` (experts in pinned RAM, ``--storage host``) the budget is the
+GPU's: it prints the allocator's peak (allocated and reserved) and the device memory in
+use at the end (the CUDA context included) against it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def main() -> int:
     ap.add_argument("--memory", default="", help="a total budget instead of --cache")
     ap.add_argument("--chats", type=int, default=0, help="chats decoded before and beside")
     ap.add_argument("--prompt-tokens", type=int, default=1200)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args()
 
     from backend.bench.workloads import load_workload
@@ -52,10 +57,17 @@ def main() -> int:
     from backend.models.loader import load_model
 
     print(f"imported          {anon_mib():7.0f} MiB")
-    model = load_model(args.model or ensure_demo(quiet=True))
+    cuda = args.device == "cuda"
+    model = load_model(args.model or ensure_demo(quiet=True), device=args.device)
     print(f"model loaded      {anon_mib():7.0f} MiB")
     cache = "auto" if args.memory else args.cache
-    eng = Engine(model, EngineConfig(policy="bevy", cache=cache, memory=args.memory))
+    storage = "host" if cuda else "ssd"
+    eng = Engine(
+        model,
+        EngineConfig(
+            policy="bevy", cache=cache, memory=args.memory, device=args.device, storage=storage
+        ),
+    )
     print(f"engine started    {anon_mib():7.0f} MiB (resident {rss_bytes() >> 20} MiB)")
     print(f"plan: {eng.memory_plan.note}, KV budget {eng.kv_budget_bytes >> 20} MiB")
     record = load_workload("agentic")[0]
@@ -87,10 +99,18 @@ def main() -> int:
     watcher.join()
     print(f"peak, {len(ids)}-token prompt {peak[0]:7.0f} MiB")
     budget = f" of a {eng.memory_plan.total_bytes >> 20} MiB budget" if args.memory else ""
-    print(f"peak resident      {whole[0] >> 20:6d} MiB{budget}")
+    # On CUDA the budget is the device's; the host's resident set holds the pinned experts.
+    print(f"peak resident      {whole[0] >> 20:6d} MiB{'' if cuda else budget}")
     print(f"dense weights held {model.transformer.held_bytes() / 2**20:6.0f} MiB")
     print(f"cache slots budget {eng.cache_budget_bytes / 2**20:6.0f} MiB")
     print(f"Inductor imported: {'torch._inductor' in sys.modules}")
+    if cuda:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        print(f"cuda peak allocated {torch.cuda.max_memory_allocated() >> 20:6d} MiB{budget}")
+        print(f"cuda peak reserved  {torch.cuda.max_memory_reserved() >> 20:6d} MiB")
+        print(f"cuda in use at end  {(total - free) >> 20:6d} MiB (context included)")
     eng.close()
     return 0
 

@@ -32,6 +32,7 @@ from backend.config import EngineConfig, MemoryPlan, plan_memory, system_memory
 from backend.engine import experts
 from backend.engine.balance import WINDOW_S, Balancer
 from backend.engine.cache import Claims, ExpertCache
+from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.jobs import JobRunner
 from backend.engine.memory import rss_bytes
@@ -100,6 +101,10 @@ def chat_prompt(model: LoadedModel, msg: Submit) -> tuple[list[int], int]:
     return fit_chat(model, msg.messages, msg.tools, room, msg.overflow, msg.continue_final)
 
 
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 class Engine:
     def __init__(
         self, model: LoadedModel, config: EngineConfig, events: queue.Queue | None = None
@@ -128,11 +133,6 @@ class Engine:
         # bevy-static its fixed groups: a prompt's slices would leave its batch behind.
         together = self.policy.lockstep or self.policy.group_size
         self.prefill_chunk = 0 if together else config.prefill_chunk
-        # The cache budget holds the slots and the decoded working set together: what the
-        # user sets (or "auto" finds room for) is what the experts take.
-        self.memory_plan = self._plan(n_experts, slot_bytes)
-        self.cache_budget_bytes = self.memory_plan.slots * slot_bytes
-        self.kv_budget_bytes = self.memory_plan.kv_bytes
         try:  # before the slots are allocated: a backend that cannot run fails first
             backend_name = experts.choose(
                 config.expert_backend,
@@ -148,6 +148,11 @@ class Engine:
         except BevyError:
             self.store.close()
             raise
+        # The cache budget holds the slots and the decoded working set together: what the
+        # user sets (or "auto" finds room for) is what the experts take.
+        self.memory_plan = self._plan(n_experts, slot_bytes, backend_name)
+        self.cache_budget_bytes = self.memory_plan.slots * slot_bytes
+        self.kv_budget_bytes = self.memory_plan.kv_bytes
         expert_bytes = decoded_numel * dtype.itemsize
         # Decoded experts kept for reuse, taken out of the same budget. None by default: at
         # an equal budget, slots bought more than decoded copies on every backend measured
@@ -181,6 +186,14 @@ class Engine:
             )
         else:
             self.slots = self.store.alloc_slots(n_slots)
+        self._capped = device.type == "cuda" and bool(config.memory)
+        if self._capped:
+            # torch's allocator keeps freed blocks for reuse, and jobs of varying sizes
+            # leave its pool at three times what is in use (measured on an H200): held
+            # to the budget, it releases cached blocks instead of growing past it.
+            total = torch.cuda.get_device_properties(device).total_memory
+            fraction = min(1.0, self.memory_plan.total_bytes / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, _cuda_index(device))
         self.slot_bytes = slot_bytes
         self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._warm_up_decoders()
@@ -242,14 +255,15 @@ class Engine:
         # Tests set this to a dict to receive every request's logits (exactness checks).
         self.logits_log: dict[str, list[torch.Tensor]] | None = None
 
-    def _plan(self, n_experts: int, slot_bytes: int) -> MemoryPlan:
+    def _plan(self, n_experts: int, slot_bytes: int, backend: str) -> MemoryPlan:
         """Cache slots and KV budget under the user's budget (``plan_memory``), counting
-        what the process holds now: on a CUDA device its memory, elsewhere RAM (unified
-        on Apple silicon)."""
+        what the process holds now: on a CUDA device the pool torch's allocator holds
+        there (the CUDA context itself is the driver's, outside it), elsewhere RAM
+        (unified on Apple silicon)."""
         c, device = self.model.config, self.model.transformer.device
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            held = torch.cuda.memory_allocated(device)
+            held = torch.cuda.memory_reserved(device)
         else:
             total, free = system_memory()
             held = rss_bytes()
@@ -258,6 +272,9 @@ class Engine:
         # beyond what admission counts.
         rows = self.prefill_chunk or min(c.context_length, 4096)
         scratch = _SCRATCH_BASE + rows * c.hidden_size * 4 * _SCRATCH_ROW_VECTORS
+        if backend == "grouped":  # a layer's experts decoded at once, beside their bytes
+            per_layer = c.n_experts * 3 * c.hidden_size * c.expert_intermediate_size * 4
+            scratch += min(GROUPED_BYTES, per_layer) + c.n_experts * slot_bytes
         try:
             return plan_memory(
                 self.config,
@@ -313,6 +330,8 @@ class Engine:
     def close(self) -> None:
         self.fetcher.close()
         self.store.close()
+        if self._capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, _cuda_index(self.slots.device))
         # Hooks are bound methods of their owners (the job runner's the engine's, the
         # cache's the native expert backend's): cycles that would keep the slots, the
         # whole cache budget, alive until the garbage collector's next full pass, which

@@ -137,3 +137,49 @@ def test_fetcher_copies_while_kernels_run(gguf_path) -> None:
     finally:
         fetcher.close()
         store.close()
+
+
+def test_cuda_auto_cache_warms_every_expert_and_matches_cpu(gguf_path) -> None:
+    """The default cache ("auto") on a GPU with room for every expert: the plan counts the
+    device's memory, the link reads every expert once from the first step, and requests
+    submitted before it get the CPU reference's replies."""
+    cpu = load_model(gguf_path)
+    refs = [greedy_logits(cpu, p, 5) for p in PROMPTS]
+    model = load_model(gguf_path, device="cuda")
+    eng = Engine(model, EngineConfig(device="cuda", storage="host"))
+    try:
+        n = model.config.n_routed_experts
+        assert eng.memory_plan.slots == n and "every expert" in eng.memory_plan.note
+        eng.logits_log = {}
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for i, p in enumerate(PROMPTS):
+            eng.submit(Submit(f"r{i}", params, prompt_ids=p))
+        eng.run_until_idle(120)
+        while eng._warm or eng._warming:
+            eng.step(block=True)
+        assert eng.cache.stats.fetches == n  # each expert read once: demand or warm-up
+        for i, (_, logits) in enumerate(refs):
+            ours = torch.stack(eng.logits_log[f"r{i}"]).cpu()
+            assert (ours - logits).abs().max().item() <= 1e-3
+    finally:
+        eng.close()
+
+
+def test_cuda_memory_budget_is_the_devices(gguf_path) -> None:
+    """``--memory`` on a GPU plans the device's memory: the engine's allocations stay
+    within it while requests run, and a budget too small for one token's experts is
+    refused with what it needs."""
+    model = load_model(gguf_path, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    eng = Engine(model, EngineConfig(device="cuda", storage="host", memory="1GiB"))
+    try:
+        assert eng.memory_plan.total_bytes == 1 << 30
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for i, p in enumerate(PROMPTS):
+            eng.submit(Submit(f"r{i}", params, prompt_ids=p))
+        eng.run_until_idle(120)
+        assert torch.cuda.max_memory_reserved() <= 1 << 30  # the allocator's pool, capped
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="needs at least"):
+        Engine(model, EngineConfig(device="cuda", storage="host", memory="1MiB"))
