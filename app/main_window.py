@@ -325,19 +325,29 @@ class MainWindow(QMainWindow):
             total = (
                 f" of {snap.memory_budget_bytes / 2**30:.2f}" if snap.memory_budget_bytes else ""
             )
+            # On a GPU the budget is its memory, which torch's pool there holds.
+            held, where = (
+                (snap.device_bytes, "GPU memory")
+                if snap.device_bytes
+                else (snap.rss_bytes, "memory")
+            )
             memory = (
-                f" · memory {snap.rss_bytes / 2**30:.2f}{total} GB (experts {experts:.2f} of "
+                f" · {where} {held / 2**30:.2f}{total} GB (experts {experts:.2f} of "
                 f"{snap.cache_budget_bytes / 2**30:.2f} GB)"
-                if snap.rss_bytes
+                if held
                 else ""
             )
+            # The disk is busy after a load while every expert is read into the cache.
+            warm = (
+                f"reading experts into memory, {snap.warm_left} left · " if snap.warm_left else ""
+            )
             self.status_speed.setText(
-                f"{snap.tokens_per_s:.1f} tok/s · hit {snap.hit_rate:.0%} · "
+                f"{warm}{snap.tokens_per_s:.1f} tok/s · hit {snap.hit_rate:.0%} · "
                 f"both busy {snap.both_busy_frac:.0%}{memory}"
             )
             self.status_speed.setToolTip(
-                "Memory: the app's resident set, against the total the cache was sized "
-                "in where it is auto. Experts: cache slots and decoded working set, "
+                "Memory: the app's resident set (on a GPU, what torch holds there), "
+                "against the total the cache was sized in where it is auto. Experts: cache slots and decoded working set, "
                 "against the cache budget (Model → Settings → cache). Also held: "
                 f"dense weights {snap.dense_bytes / 2**20:.0f} MiB, "
                 f"KV caches {snap.kv_bytes / 2**20:.0f} of "

@@ -89,11 +89,14 @@ class MetricsSnapshot:
     n_experts: int = 0  # routed experts per layer
     tokens_total: int = 0
     expert_backend: str = ""  # the engine's expert-compute backend (backend/engine/experts)
+    # Experts the start-up warm-up has still to read (0: none left, or no warm-up).
+    warm_left: int = 0
     # Memory in bytes: the process's resident set; the total it was planned within
     # (``--memory``, or what "auto" found free; 0 for an explicit ``--cache``); the cache
     # budget and what of it the slots and the decoded working set hold; KV caches of
     # running requests and their budget; the model's dense (resident, non-expert) weights.
     rss_bytes: int = 0
+    device_bytes: int = 0  # on CUDA, torch's pool there: what ``--memory`` bounds
     memory_budget_bytes: int = 0
     kv_budget_bytes: int = 0
     cache_budget_bytes: int = 0

@@ -27,7 +27,7 @@ from cuda_moe import build  # noqa: E402
 
 from backend.config import EngineConfig, SamplingParams  # noqa: E402
 from backend.engine.loop import Engine  # noqa: E402
-from backend.messages import Finished, Submit  # noqa: E402
+from backend.messages import ErrorEvent, Finished, Submit  # noqa: E402
 from backend.models.loader import LoadedModel, load_model  # noqa: E402
 
 
@@ -63,11 +63,14 @@ def run(model: LoadedModel, memory: str, args: argparse.Namespace) -> None:
             )
         eng.run_until_idle(600)
         wall = time.perf_counter() - t0
+        errors = []
         while not eng.events.empty():
             e = eng.events.get()
             if isinstance(e, Finished):
                 tokens += len(e.token_ids)
-        failed = ""
+            elif isinstance(e, ErrorEvent):
+                errors.append(e.message)
+        failed = f" {len(errors)} FAILED: {errors[0]:.200}" if errors else ""
     except Exception as exc:  # an out-of-memory is what this measures
         wall, failed = float("nan"), f" FAILED: {exc!r:.200}"
     finally:

@@ -101,8 +101,31 @@ def chat_prompt(model: LoadedModel, msg: Submit) -> tuple[list[int], int]:
     return fit_chat(model, msg.messages, msg.tools, room, msg.overflow, msg.continue_final)
 
 
+# Engines holding torch's pool on a CUDA device to their budget, the newest last: the
+# cap is one setting per process and device, so closing one engine restores the cap of
+# the newest left, or none.
+_POOL_CAPS: dict[int, list[tuple[Engine, float]]] = {}
+
+
 def _cuda_index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _cap_pool(engine: Engine, device: torch.device, budget: int) -> None:
+    """torch's allocator keeps freed blocks for reuse, and jobs of varying sizes left
+    its pool at three times what was in use (measured on an H200): held to the budget,
+    it releases cached blocks instead of growing past it."""
+    index = _cuda_index(device)
+    fraction = min(1.0, budget / torch.cuda.get_device_properties(index).total_memory)
+    _POOL_CAPS.setdefault(index, []).append((engine, fraction))
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+
+
+def _uncap_pool(engine: Engine, device: torch.device) -> None:
+    index = _cuda_index(device)
+    caps = [c for c in _POOL_CAPS.get(index, []) if c[0] is not engine]
+    _POOL_CAPS[index] = caps
+    torch.cuda.set_per_process_memory_fraction(caps[-1][1] if caps else 1.0, index)
 
 
 class Engine:
@@ -186,14 +209,6 @@ class Engine:
             )
         else:
             self.slots = self.store.alloc_slots(n_slots)
-        self._capped = device.type == "cuda" and bool(config.memory)
-        if self._capped:
-            # torch's allocator keeps freed blocks for reuse, and jobs of varying sizes
-            # leave its pool at three times what is in use (measured on an H200): held
-            # to the budget, it releases cached blocks instead of growing past it.
-            total = torch.cuda.get_device_properties(device).total_memory
-            fraction = min(1.0, self.memory_plan.total_bytes / total)
-            torch.cuda.set_per_process_memory_fraction(fraction, _cuda_index(device))
         self.slot_bytes = slot_bytes
         self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._warm_up_decoders()
@@ -252,6 +267,9 @@ class Engine:
         self.kv_bytes_per_token = c.kv_values_per_token * model.transformer.dtype.itemsize
         self.balancer = Balancer() if self.policy.balance else None
         self._thread: threading.Thread | None = None
+        self._capped = device.type == "cuda" and bool(config.memory)
+        if self._capped:  # last: an engine that failed to start leaves no cap behind
+            _cap_pool(self, device, self.memory_plan.total_bytes)
         # Tests set this to a dict to receive every request's logits (exactness checks).
         self.logits_log: dict[str, list[torch.Tensor]] | None = None
 
@@ -262,6 +280,8 @@ class Engine:
         (unified on Apple silicon)."""
         c, device = self.model.config, self.model.transformer.device
         if device.type == "cuda":
+            # Blocks freed earlier (a closed engine's slots) would count as held.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
             held = torch.cuda.memory_reserved(device)
         else:
@@ -331,7 +351,7 @@ class Engine:
         self.fetcher.close()
         self.store.close()
         if self._capped:
-            torch.cuda.set_per_process_memory_fraction(1.0, _cuda_index(self.slots.device))
+            _uncap_pool(self, self.slots.device)
         # Hooks are bound methods of their owners (the job runner's the engine's, the
         # cache's the native expert backend's): cycles that would keep the slots, the
         # whole cache budget, alive until the garbage collector's next full pass, which
@@ -859,6 +879,11 @@ class Engine:
         """Bytes the engine holds for the model now, by part, and the process's RSS."""
         return {
             "rss_bytes": rss_bytes(),
+            "device_bytes": (
+                torch.cuda.memory_reserved(self.slots.device)
+                if self.slots.device.type == "cuda"
+                else 0
+            ),
             "cache_budget_bytes": self.cache_budget_bytes,
             "memory_budget_bytes": self.memory_plan.total_bytes,
             "kv_budget_bytes": self.kv_budget_bytes,
@@ -950,5 +975,6 @@ class Engine:
             n_experts=self.model.config.n_experts,
             tokens_total=self.telemetry.n_tokens,
             expert_backend=self.expert_backend,
+            warm_left=len(self._warming) + sum(not cache.is_present(k) for k in self._warm),
             **self.memory(),
         )

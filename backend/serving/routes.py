@@ -459,8 +459,10 @@ class ApiServer:
                 "cache_used": s.cache_used,
                 "cache_pinned": s.cache_pinned,
                 "runahead": s.runahead,
+                "warm_up_left": s.warm_left,  # experts still to read at start
                 "memory_mib": {
                     "rss": s.rss_bytes / 2**20,
+                    "device": s.device_bytes / 2**20,  # on CUDA: what the budget bounds
                     "budget": s.memory_budget_bytes / 2**20,  # 0: an explicit --cache
                     "cache_budget": s.cache_budget_bytes / 2**20,
                     "cache_slots": s.slots_bytes / 2**20,

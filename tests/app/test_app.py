@@ -699,3 +699,25 @@ def test_model_manager_marks_the_model_in_use_and_removes_others_after_asking(
     assert other.exists() and "untouched" in manager.status.text()  # the folder itself stays
     manager.close()
     close_window(w)
+
+
+def test_the_status_bar_says_when_experts_are_still_being_read(qtbot, env: Path) -> None:
+    """After a load the link reads every expert in (the warm-up): the disk is busy and
+    the first replies may wait on it, so the status bar says so until none is left."""
+    from dataclasses import replace
+
+    from backend.messages import MetricsSnapshot
+
+    w = MainWindow(Store())
+    qtbot.addWidget(w)
+    zero = dict.fromkeys(("fetched", "cache_slots", "cache_used", "cache_pinned"), 0)
+    rates = ("tokens_per_s", "hit_rate", "both_busy_frac", "compute_wait_frac")
+    zero |= dict.fromkeys((*rates, "compute_busy_frac", "link_busy_frac", "t"), 0.0)
+    idle = MetricsSnapshot(**zero, runahead="on")
+    try:
+        w._update_status(replace(idle, warm_left=412))
+        assert w.status_speed.text().startswith("reading experts into memory, 412 left · ")
+        w._update_status(idle)
+        assert "reading experts" not in w.status_speed.text()
+    finally:
+        close_window(w)

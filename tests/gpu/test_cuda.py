@@ -166,11 +166,11 @@ def test_cuda_auto_cache_warms_every_expert_and_matches_cpu(gguf_path) -> None:
 
 
 def test_cuda_memory_budget_is_the_devices(gguf_path) -> None:
-    """``--memory`` on a GPU plans the device's memory: the engine's allocations stay
-    within it while requests run, and a budget too small for one token's experts is
+    """``--memory`` on a GPU plans the device's memory and holds torch's pool there to
+    it while the engine is open (an allocation past it fails; after close it does not);
+    the requests all finish within it, and a budget too small for one token's experts is
     refused with what it needs."""
     model = load_model(gguf_path, device="cuda")
-    torch.cuda.reset_peak_memory_stats()
     eng = Engine(model, EngineConfig(device="cuda", storage="host", memory="1GiB"))
     try:
         assert eng.memory_plan.total_bytes == 1 << 30
@@ -178,8 +178,17 @@ def test_cuda_memory_budget_is_the_devices(gguf_path) -> None:
         for i, p in enumerate(PROMPTS):
             eng.submit(Submit(f"r{i}", params, prompt_ids=p))
         eng.run_until_idle(120)
-        assert torch.cuda.max_memory_reserved() <= 1 << 30  # the allocator's pool, capped
+        done = set()
+        while not eng.events.empty():
+            e = eng.events.get()
+            if isinstance(e, Finished):
+                done.add(e.request_id)
+        assert done == {f"r{i}" for i in range(len(PROMPTS))}
+        assert eng.snapshot().device_bytes <= 1 << 30
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     finally:
         eng.close()
+    torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # the cap went with the engine
     with pytest.raises(ValueError, match="needs at least"):
         Engine(model, EngineConfig(device="cuda", storage="host", memory="1MiB"))

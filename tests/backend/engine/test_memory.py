@@ -146,3 +146,26 @@ def test_a_memory_budget_sizes_cache_and_kv_from_what_the_process_holds(demo) ->
         assert snap.memory_budget_bytes == budget and snap.kv_budget_bytes == eng.kv_budget_bytes
     finally:
         eng.close()
+
+
+def test_the_cuda_pool_cap_follows_the_newest_open_engine(monkeypatch) -> None:
+    """The allocator's cap is one per process and device: closing an engine restores
+    the newest remaining engine's, or none. torch.cuda's two calls are scripted here
+    (no GPU on CI); tests/gpu checks the cap itself on a device."""
+    import torch
+
+    from backend.engine import loop
+
+    calls: list[tuple[float, int]] = []
+    props = type("Props", (), {"total_memory": 100 << 30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, i: calls.append((f, i))
+    )
+    monkeypatch.setattr(loop, "_POOL_CAPS", {})
+    a, b, dev = object(), object(), torch.device("cuda", 1)
+    loop._cap_pool(a, dev, 10 << 30)
+    loop._cap_pool(b, dev, 20 << 30)
+    loop._uncap_pool(a, dev)  # b's stays
+    loop._uncap_pool(b, dev)
+    assert calls == [(0.1, 1), (0.2, 1), (0.2, 1), (1.0, 1)]

@@ -38,7 +38,9 @@ def test_an_idle_engine_reads_every_expert_once_and_only_where_all_fit(model) ->
     n = model.config.n_routed_experts
     eng = Engine(model, EngineConfig(cache="1.0", storage="ssd"))
     try:
+        assert eng.snapshot().warm_left == n  # what the status bar and /v1/stats show
         _settle(eng)
+        assert eng.snapshot().warm_left == 0
         assert sum(eng.cache.ready) == n and eng.cache.stats.fetches == n
         assert eng.cache.n_loading == 0 and sum(eng.cache.refs) == 0  # nothing pinned
         assert eng.cache.stats.prefetched == 0  # not counted as guesses

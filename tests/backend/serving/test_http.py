@@ -277,9 +277,12 @@ def test_stats_show_each_request_layer_and_metrics_are_prometheus(server: str) -
         mem = stats["memory_mib"]  # what the engine holds, against its cache budget
         assert mem["cache_slots"] + mem["working_set"] <= mem["cache_budget"]
         assert mem["kv"] > 0 and mem["rss"] > mem["dense_weights"] > 0
+        assert mem["device"] == 0  # no accelerator pool on the CPU
+        assert stats["warm_up_left"] == 0  # half a cache: nothing read at start
     metrics = httpx.get(f"{server}/metrics", headers=headers).text
     names = ("cache_hit_rate", "both_busy_ratio", "tokens_per_second", "cache_pinned_slots")
-    for name in (*names, "resident_memory_bytes", "cache_budget_bytes", "kv_cache_bytes"):
+    more = ("resident_memory_bytes", "cache_budget_bytes", "kv_cache_bytes", "warm_up_experts_left")
+    for name in (*names, *more):
         assert f"# TYPE bevy_{name} gauge\nbevy_{name} " in metrics
     assert 'bevy_api_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
 
