@@ -130,7 +130,7 @@ def main() -> int:
             )
             packed.append(tuple((c, q, s) for c, (_, q, s) in zip(copies, expert, strict=True)))
         if not any(any(f) for f in flags):
-            print("this build packs none of these experts (it needs AVX-512)", file=sys.stderr)
+            print("this build packs none of these experts (Q4_0/Q4_1 only)", file=sys.stderr)
             return 1
         variants = {
             "as stored": variants["this tree"],

@@ -60,7 +60,6 @@ CMAKE_FLAGS = [
     "-DGGML_AVX2=ON",
     "-DGGML_FMA=ON",
     "-DGGML_F16C=ON",
-    "-DGGML_AVX512=ON",
     "-DGGML_AMX_TILE=OFF",
     "-DGGML_AMX_INT8=OFF",
     "-DGGML_AMX_BF16=OFF",
@@ -107,22 +106,39 @@ def _pip_sdist(dest: Path) -> Path:
     return out
 
 
+def has_avx512() -> bool:
+    """Whether this CPU runs ggml's AVX-512 code (its five subsets); without them an
+    AVX-512 build dies with SIGILL, as the AMX code does on these VMs (kept off)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+    )
+    return {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"} <= set(flags)
+
+
 def build_llama_server(sdist: Path | None) -> Path:
     root = cache_dir() / "llama.cpp" / LLAMA_VERSION
-    exe = root / "build" / "bin" / "llama-server"
+    avx512 = has_avx512()
+    build = root / ("build" if avx512 else "build-avx2")
+    exe = build / "bin" / "llama-server"
     if exe.exists():
         return exe
     root.mkdir(parents=True, exist_ok=True)
-    sdist = sdist or fetch_sdist(root)
-    with tarfile.open(sdist) as tar:
-        tar.extractall(root / "src", filter="data")
+    sdist = sdist or next(root.glob("*.tar.gz"), None) or fetch_sdist(root)
+    if not any((root / "src").glob("*/llama.cpp")):
+        with tarfile.open(sdist) as tar:
+            tar.extractall(root / "src", filter="data")
     (src,) = (root / "src").glob("*/llama.cpp")
-    log = root / "build.log"
+    flag = "ON" if avx512 else "OFF"
+    log = build.with_suffix(".log")
     print(f"building llama-server (about 12 min on 2 cores); log: {log}", flush=True)
     with log.open("w") as f:
         for cmd in (
-            ["cmake", "-S", str(src), "-B", str(root / "build"), *CMAKE_FLAGS],
-            ["cmake", "--build", str(root / "build"), "--target", "llama-server", "-j"],
+            ["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS, f"-DGGML_AVX512={flag}"],
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j"],
         ):
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode:
                 raise SystemExit(f"{' '.join(cmd[:2])} failed; see {log}")

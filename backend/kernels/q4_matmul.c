@@ -156,7 +156,7 @@ _Static_assert(ROWS == 8, "WITH_M has a case for each row count 1..ROWS");
 #define Q41(M) cols(w, 1, x, xsum, M, Q4_R(M), k, y, ldy, n0, n1)
 
 #ifdef __AVX512F__
-/* Q4_0 / Q4_1 weights packed by 16 rows (bevy_q4_pack), for AVX-512. Group g (rows 16g ..
+/* Q4_0 / Q4_1 weights packed by 16 rows (bevy_q4_pack); AVX-512 here, AVX2 below. Group g (rows 16g ..
    16g + 15) holds, for each block b in turn, the 16 rows' f16 d (32 bytes), for Q4_1
    their f16 m (32 bytes), then their quant bytes: byte i of the 16 rows, i = 0..15, 16
    bytes each (row r at r). The same bytes as the blocks, reordered, so a slot packs in
@@ -203,6 +203,69 @@ static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, con
         for (int r = 0; r < m; r++) _mm512_storeu_ps(y + (size_t)r * ldy + (size_t)g * 16, acc[r]);
     }
 }
+
+#else
+/* The same packed bytes on AVX2 (8 lanes): each group of 16 rows in two halves of 8, each
+   half's lanes the rows 8h .. 8h + 7. The weights are the same floats as AVX-512's
+   lookup gives ((q & 15) - 8 for Q4_0, q & 15 for Q4_1, likewise q >> 4) and every lane
+   takes the same multiply-adds in the same order as in the AVX-512 kernel, so the two
+   should agree bit for bit (each is held to the blocks as stored by the tests). Rows of x go at most three at a time, their 3 x 3
+   accumulators in the 16 vector registers (four rows spilled, and ran slower than the
+   blocks as stored); the next three read the group's bytes again from the L1 cache. */
+static inline __attribute__((always_inline)) void q4p_half(const uint8_t *c, const int q4_1,
+                                                           const float *x, const float *xsum,
+                                                           const int m, int k, float *y,
+                                                           int ldy, int h) {
+    const int nb = k / 32, bs = q4_1 ? 20 : 18, hs = q4_1 ? 64 : 32;
+    const __m256 bias = _mm256_set1_ps(q4_1 ? 0.f : 8.f);
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 acc[3];
+    for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, c += 16 * bs) {
+        __m256 lo[3], hi[3];
+        for (int r = 0; r < m; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + hs + 16 * i + 8 * h)));
+            __m256 wl = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), bias);
+            __m256 wh = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), bias);
+            for (int r = 0; r < m; r++) {
+                const float *xb = x + (size_t)r * k + (size_t)b * 32;
+                lo[r] = _mm256_fmadd_ps(wl, _mm256_set1_ps(xb[i]), lo[r]);
+                hi[r] = _mm256_fmadd_ps(wh, _mm256_set1_ps(xb[i + 16]), hi[r]);
+            }
+        }
+        __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + 16 * h)));
+        for (int r = 0; r < m; r++) acc[r] = _mm256_fmadd_ps(dv, _mm256_add_ps(lo[r], hi[r]), acc[r]);
+        if (q4_1) {
+            __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + 32 + 16 * h)));
+            for (int r = 0; r < m; r++)
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[(size_t)r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < m; r++) _mm256_storeu_ps(y + (size_t)r * ldy + 8 * h, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, const int q4_1,
+                                                           const float *x, const float *xsum,
+                                                           const int m, int k, float *y,
+                                                           int ldy, int n0, int n1) {
+    const int nb = k / 32, bs = q4_1 ? 20 : 18;
+    for (int g = n0 / 16; g < n1 / 16; g++) {
+        const uint8_t *c = w + (size_t)g * nb * 16 * bs;
+        for (int h = 0; h < 2; h++)
+            for (int r0 = 0; r0 < m; r0 += 3) {
+                const float *xr = x + (size_t)r0 * k, *sr = xsum + (size_t)r0 * nb;
+                float *yr = y + (size_t)r0 * ldy + (size_t)g * 16;
+                if (m - r0 >= 3)
+                    q4p_half(c, q4_1, xr, sr, 3, k, yr, ldy, h);
+                else if (m - r0 == 2)
+                    q4p_half(c, q4_1, xr, sr, 2, k, yr, ldy, h);
+                else
+                    q4p_half(c, q4_1, xr, sr, 1, k, yr, ldy, h);
+            }
+    }
+}
+#endif
 #define Q40P(M) q4p_cols(w, 0, x, xsum, M, k, y, ldy, n0, n1)
 #define Q41P(M) q4p_cols(w, 1, x, xsum, M, k, y, ldy, n0, n1)
 
@@ -214,7 +277,6 @@ static __attribute__((noinline)) void q4p_any(const uint8_t *w, int q4_1, const 
     else
         WITH_M(Q40P)
 }
-#endif
 
 /* Sub-block j's 6-bit scale and min of a Q4_K super-block's 12 packed bytes s (ggml's
    get_scale_min_k4). */
@@ -583,16 +645,13 @@ static __attribute__((noinline)) void qk_any(const uint8_t *w, int five, const f
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
    weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS,
-   8 Q5_0; T_Q40_PACKED and T_Q41_PACKED: Q4_0 / Q4_1 packed by 16 rows (AVX-512 builds
-   only), n0 and n1 multiples of 16 (col_edge gives such edges). */
+   8 Q5_0; T_Q40_PACKED and T_Q41_PACKED: Q4_0 / Q4_1 packed by 16 rows, n0 and n1 multiples of 16 (col_edge gives such edges). */
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
-#ifdef __AVX512F__
     if (type == T_Q40_PACKED || type == T_Q41_PACKED) {
         q4p_any(w, type == T_Q41_PACKED, x, xsum, m, k, y, ldy, n0, n1);
         return;
     }
-#endif
     if (type == 8)
         q50_any(w, x, m, k, y, ldy, n0, n1);
     else if (type == 7)
@@ -914,11 +973,9 @@ static void transpose16(const uint8_t *const in[16], uint8_t *const out[16]) {
 
 /* Q4_0 (type 0) or Q4_1 (type 1) weights [n, k] as stored, packed in place by 16 rows for
    the packed kernels (q4p_cols: the same bytes, reordered within each group of 16 rows).
-   Returns the packed type code for q4_cols; -1 where this build has no packed kernel
-   (no AVX-512), the type or shape does not pack (n a multiple of 16, k of 32), or memory
-   runs out. */
+   Returns the packed type code for q4_cols; -1 where the type or shape does not pack (n a
+   multiple of 16, k of 32), or memory runs out. */
 int bevy_q4_pack(uint8_t *w, int type, int n, int k) {
-#ifdef __AVX512F__
     if ((type != 0 && type != 1) || n % 16 || k % 32 || n <= 0) return -1;
     const int nb = k / 32, bs = type ? 20 : 18, hs = type ? 4 : 2;
     const size_t group = (size_t)16 * nb * bs;
@@ -943,10 +1000,6 @@ int bevy_q4_pack(uint8_t *w, int type, int n, int k) {
     }
     free(tmp);
     return type ? T_Q41_PACKED : T_Q40_PACKED;
-#else
-    (void)w, (void)type, (void)n, (void)k;
-    return -1;
-#endif
 }
 
 /* Packed Q4_0 / Q4_1 weights [n, k] (bevy_q4_pack; type 0 or 1 as before packing) back

@@ -21,7 +21,7 @@ def _packs() -> bool:
     return native.available() and native.pack(probe, native.QType.Q4_1, (16, 64))
 
 
-pytestmark = pytest.mark.skipif(not _packs(), reason="no packed kernel here (it needs AVX-512)")
+pytestmark = pytest.mark.skipif(not _packs(), reason="no native kernels here")
 
 
 @pytest.mark.parametrize("max_rows", [native.EXPERT_MAX_ROWS, 1])
