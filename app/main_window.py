@@ -347,8 +347,8 @@ class MainWindow(QMainWindow):
             )
             self.status_speed.setToolTip(
                 "Memory: the app's resident set (on a GPU, what torch holds there), "
-                "against the total the cache was sized in where it is auto. Experts: cache slots and decoded working set, "
-                "against the cache budget (Model → Settings → cache). Also held: "
+                "against the total the cache was sized in where it is auto. Experts: cache "
+                "slots and decoded working set, against the cache budget (Model → Settings → cache). Also held: "
                 f"dense weights {snap.dense_bytes / 2**20:.0f} MiB, "
                 f"KV caches {snap.kv_bytes / 2**20:.0f} of "
                 f"{snap.kv_budget_bytes / 2**20:.0f} MiB."

@@ -127,7 +127,8 @@ def build_llama_server(sdist: Path | None) -> Path:
     if exe.exists():
         return exe
     root.mkdir(parents=True, exist_ok=True)
-    sdist = sdist or next(root.glob("*.tar.gz"), None) or fetch_sdist(root)
+    kept = [p for p in root.glob("*.tar.gz") if p.name.lower().startswith("llama")]
+    sdist = sdist or (kept[0] if kept else fetch_sdist(root))
     if not any((root / "src").glob("*/llama.cpp")):
         with tarfile.open(sdist) as tar:
             tar.extractall(root / "src", filter="data")

@@ -156,17 +156,17 @@ _Static_assert(ROWS == 8, "WITH_M has a case for each row count 1..ROWS");
 #define Q41(M) cols(w, 1, x, xsum, M, Q4_R(M), k, y, ldy, n0, n1)
 
 #ifdef __AVX512F__
-/* Q4_0 / Q4_1 weights packed by 16 rows (bevy_q4_pack); AVX-512 here, AVX2 below. Group g (rows 16g ..
-   16g + 15) holds, for each block b in turn, the 16 rows' f16 d (32 bytes), for Q4_1
-   their f16 m (32 bytes), then their quant bytes: byte i of the 16 rows, i = 0..15, 16
-   bytes each (row r at r). The same bytes as the blocks, reordered, so a slot packs in
-   place. With the rows across the lanes, one widened byte vector gives 16 rows' weights
-   for element i (low nibbles) and i + 16 (high), each multiplied by one x value broadcast:
-   no per-block broadcast of a scale, no scalar tail and no sum across lanes: less than
-   half the instructions per weight of the blocks as stored. Each output is
+/* Q4_0 / Q4_1 weights packed by 16 rows (bevy_q4_pack); AVX-512 here, AVX2 below. Group g
+   (rows 16g .. 16g + 15) holds, for each block b in turn, the 16 rows' f16 d (32 bytes),
+   for Q4_1 their f16 m (32 bytes), then their quant bytes: byte i of the 16 rows, i =
+   0..15, 16 bytes each (row r at r). The same bytes as the blocks, reordered, so a slot
+   packs in place. With the rows across the lanes, one widened byte vector gives 16 rows'
+   weights for element i (low nibbles) and i + 16 (high), each multiplied by one x value
+   broadcast: no per-block broadcast of a scale, no scalar tail and no sum across lanes:
+   less than half the instructions per weight of the blocks as stored. Each output is
        y[r, n] = sum_b (d[n, b] * (lo + hi) + m[n, b] * xsum[r, b])
-   with lo = sum over i of q_lo[n, b, i] * x[r, b, i] and hi likewise for the high
-   nibbles (Q4_0: q - 8, no m), in this order whatever m and the columns are. */
+   with lo = sum over i of q_lo[n, b, i] * x[r, b, i] and hi likewise for the high nibbles
+   (Q4_0: q - 8, no m), in this order whatever m and the columns are. */
 static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, const int q4_1,
                                                            const float *x, const float *xsum,
                                                            const int m, int k, float *y,
@@ -209,9 +209,10 @@ static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, con
    half's lanes the rows 8h .. 8h + 7. The weights are the same floats as AVX-512's
    lookup gives ((q & 15) - 8 for Q4_0, q & 15 for Q4_1, likewise q >> 4) and every lane
    takes the same multiply-adds in the same order as in the AVX-512 kernel, so the two
-   should agree bit for bit (each is held to the blocks as stored by the tests). Rows of x go at most three at a time, their 3 x 3
-   accumulators in the 16 vector registers (four rows spilled, and ran slower than the
-   blocks as stored); the next three read the group's bytes again from the L1 cache. */
+   should agree bit for bit (reasoned, not tested: the tests hold each to the blocks as
+   stored). Rows of x go at most three at a time, their 3 x 3 accumulators in the 16
+   vector registers (four rows spilled, and ran slower than the blocks as stored); the
+   next three read the group's bytes again, from the CPU's cache. */
 static inline __attribute__((always_inline)) void q4p_half(const uint8_t *c, const int q4_1,
                                                            const float *x, const float *xsum,
                                                            const int m, int k, float *y,
@@ -645,7 +646,8 @@ static __attribute__((noinline)) void qk_any(const uint8_t *w, int five, const f
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
    weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS,
-   8 Q5_0; T_Q40_PACKED and T_Q41_PACKED: Q4_0 / Q4_1 packed by 16 rows, n0 and n1 multiples of 16 (col_edge gives such edges). */
+   8 Q5_0; T_Q40_PACKED and T_Q41_PACKED: Q4_0 / Q4_1 packed by 16 rows, n0 and n1
+   multiples of 16 (col_edge gives such edges). */
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
                     float *y, int ldy, int n0, int n1) {
     if (type == T_Q40_PACKED || type == T_Q41_PACKED) {
