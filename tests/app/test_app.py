@@ -397,7 +397,9 @@ def test_engine_failure_ends_replies_and_a_restart_recovers(qtbot, env: Path) ->
     w.send("and now?", session_id=sid)  # no engine: a clear error, not a reply stuck forever
     assert not w.controller.replies and "No model is loaded" in w.store.messages(sid)[-1].content
     w.error_box.close()
-    w.apply_settings(w.settings)  # Settings -> OK restarts the engine
+    # Settings -> OK restarts the engine. The reply after it need not be long: 2,000
+    # tokens of the tiny model took 42-60 s on a slow 2-core CI machine.
+    w.apply_settings({**w.settings, "max_tokens": 64})
     qtbot.waitUntil(lambda: w.bridge.ready, timeout=60_000)
     w.send("back?", session_id=sid)
     qtbot.waitUntil(lambda: not w.controller.replies, timeout=60_000)
