@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import importlib
 import itertools
 import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from backend.agent.loop import Reply
@@ -79,15 +82,31 @@ class RemoteError(BevyError):
         self.partial = partial  # a reply's text that came before the failure
 
 
+@functools.cache
+def _http_errors() -> SimpleNamespace:
+    """The HTTP errors the installed ``openai`` client can raise: httpx's up to openai 2,
+    httpx2's from openai 3 (the two share their API but not their classes), both kinds
+    in each tuple."""
+    mods = [importlib.import_module("httpx")]
+    with contextlib.suppress(ImportError):
+        mods.append(importlib.import_module("httpx2"))
+    return SimpleNamespace(
+        timeout=tuple(m.TimeoutException for m in mods),
+        transport=tuple(m.TransportError for m in mods),
+        http=tuple(m.HTTPError for m in mods),
+        stream=tuple(m.StreamError for m in mods),
+    )
+
+
 def explain(exc: BaseException, endpoint: Endpoint) -> RemoteError:
-    """What an ``openai`` or ``httpx`` failure means for the user, naming the engine."""
-    import httpx
+    """What an ``openai`` or HTTP failure means for the user, naming the engine."""
     import openai
 
+    errors = _http_errors()
     where = f"{endpoint.name} ({endpoint.api_base})"
-    if isinstance(exc, openai.APITimeoutError | httpx.TimeoutException):
+    if isinstance(exc, (openai.APITimeoutError, *errors.timeout)):
         return RemoteError(f"{where} did not answer in time", "timeout")
-    if isinstance(exc, openai.APIConnectionError | httpx.TransportError):
+    if isinstance(exc, (openai.APIConnectionError, *errors.transport)):
         return RemoteError(f"{where} cannot be reached: is the server running?", "unreachable")
     if isinstance(exc, openai.AuthenticationError | openai.PermissionDeniedError):
         return RemoteError(
@@ -116,26 +135,25 @@ def _message(exc) -> str:
 
 
 def _client(endpoint: Endpoint, read_timeout: float = READ_TIMEOUT_S):
-    import httpx
     import openai
 
     return openai.OpenAI(
         base_url=endpoint.api_base,
         api_key=endpoint.api_key or "none",  # the client insists on one; servers ignore it
         max_retries=0,  # a retry would send the prompt twice: the user sees the error
-        timeout=httpx.Timeout(read_timeout, connect=CONNECT_TIMEOUT_S),
+        timeout=openai.Timeout(read_timeout, connect=CONNECT_TIMEOUT_S),
     )
 
 
 def list_models(endpoint: Endpoint, timeout: float = 10.0) -> list[str]:
     """The model ids the server offers (``GET /v1/models``); RemoteError if it cannot say."""
-    import httpx
     import openai
 
+    errors = _http_errors()
     try:
         with _client(endpoint, timeout) as client:
             return [m.id for m in client.models.list().data]
-    except (openai.OpenAIError, httpx.HTTPError) as exc:
+    except (openai.OpenAIError, *errors.http) as exc:
         raise explain(exc, endpoint) from None
 
 
@@ -206,9 +224,9 @@ def stream_chat(
     what came. ``sampling``: OpenAI request fields (temperature, top_p, max_tokens, stop,
     extra fields a server knows, such as ``continue_final_message``). RemoteError on
     failure, with ``.partial``: the text that came before it."""
-    import httpx
     import openai
 
+    errors = _http_errors()
     if not endpoint.model:
         raise RemoteError(f"{endpoint.name}: no model chosen: pick one in Settings → Engines")
     known = {"temperature", "top_p", "max_tokens", "stop", "seed"}
@@ -234,7 +252,7 @@ def stream_chat(
             extra_body=extra or None,
             **body,
         )
-    except (openai.OpenAIError, httpx.HTTPError) as exc:
+    except (openai.OpenAIError, *errors.http) as exc:
         client.close()
         raise explain(exc, endpoint) from None
 
@@ -260,7 +278,7 @@ def stream_chat(
                 if choice.finish_reason:
                     reason = choice.finish_reason
     # StreamError: the stream closed under the read (a stop, from the watcher thread).
-    except (openai.OpenAIError, httpx.HTTPError, httpx.StreamError) as exc:
+    except (openai.OpenAIError, *errors.http, *errors.stream) as exc:
         if not stop.is_set():
             err = explain(exc, endpoint)
             if err.kind in ("unreachable", "server"):
