@@ -13,7 +13,8 @@ Either must export every function ``backend.kernels.native`` binds.
 
 ``--packed`` compares this tree's kernels on the experts as stored against the same experts
 packed 16 rows to a group (``native.pack``, what the engine's native backend does to each
-Q4_0/Q4_1 expert in its slot), checking that the two agree to 1e-5 of the largest output;
+Q4_0/Q4_1 expert in its slot), checking that the two agree to 3e-2 of the largest output
+(the packed kernels read x rounded to 8 bits per block of 32, as ggml's CPU kernels do);
 with ``--decode``, the engine with and without packing.
 
 ``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
@@ -155,7 +156,7 @@ def main() -> int:
                 worst = max(
                     ((u - v).abs().max() / u.abs().max()).item() for u, v in zip(a, b, strict=True)
                 )
-                if worst > 1e-5:
+                if worst > 3e-2:
                     print(f"{m} rows: packed differs by {worst:.1e} of the largest output")
                     return 1
             elif a is not None and not args.allow_different_bits:

@@ -14,6 +14,8 @@
  * table, AVX2 converts it; q - 8 is exact either way) and each scale
  * applied once per block. Every row of x is reduced on its own, in the same
  * order whatever the other rows are, so a row's result does not depend on its batch-mates.
+ * The packed Q4_0 / Q4_1 layout (bevy_q4_pack, q4p_cols) multiplies in integers instead,
+ * x rounded to 8 bits per block of 32 (x8_round), as ggml's CPU kernels do.
  * Build with -ffp-contract=off: a scalar multiply-add is then never fused in one place and
  * not another.
  */
@@ -30,6 +32,7 @@
    as stored, listed at q4_cols. */
 #define T_Q40_PACKED 9
 #define T_Q41_PACKED 10
+static inline int is_packed(int type) { return type == T_Q40_PACKED || type == T_Q41_PACKED; }
 
 #ifdef __AVX512F__
 /* One block of weight row W: its 32 widened weights times each x row, added to ACC. */
@@ -155,49 +158,114 @@ _Static_assert(ROWS == 8, "WITH_M has a case for each row count 1..ROWS");
 #define Q40(M) cols(w, 0, x, xsum, M, Q4_R(M), k, y, ldy, n0, n1)
 #define Q41(M) cols(w, 1, x, xsum, M, Q4_R(M), k, y, ldy, n0, n1)
 
+/* Rows of x rounded to 8 bits per block of 32, for the packed kernels: block b of row r is
+   d[r, b] * q[r, b, :] with d = max |x| / 127 over the block and q = round(x / d) (to
+   nearest, ties to even: x times 127 / max, as ggml's Q8 activations), s = d * sum(q)
+   and sum = sum(q). Row r's arrays start at q + r * k and at d, s, sum + r * nb. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+    const int32_t *sum;
+} x8_t;
+
+static inline x8_t x8_rows(x8_t a, int r0, int k) {
+    const size_t nb = (size_t)(k / 32);
+    return (x8_t){a.q + (size_t)r0 * k, a.d + r0 * nb, a.s + r0 * nb, a.sum + r0 * nb};
+}
+
+/* x [m, k] rounded as x8_t says into buf, which holds x8_bytes(m, k). */
+static size_t x8_bytes(int m, int k) { return (size_t)m * k + (size_t)m * (k / 32) * 12; }
+static x8_t x8_round(const float *x, int m, int k, uint8_t *buf) {
+    const int nb = k / 32;
+    float *d = (float *)buf, *s = d + (size_t)m * nb;
+    int32_t *sum = (int32_t *)(s + (size_t)m * nb);
+    int8_t *q = (int8_t *)(sum + (size_t)m * nb);
+    for (int r = 0; r < m; r++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)r * k + (size_t)b * 32;
+            int8_t *qb = q + (size_t)r * k + (size_t)b * 32;
+            float amax = 0.f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            int32_t t = 0;
+            for (int i = 0; i < 32; i++) {
+                qb[i] = (int8_t)nearbyintf(xb[i] * inv);
+                t += qb[i];
+            }
+            d[(size_t)r * nb + b] = amax / 127.f;
+            sum[(size_t)r * nb + b] = t;
+            s[(size_t)r * nb + b] = d[(size_t)r * nb + b] * (float)t;
+        }
+    return (x8_t){q, d, s, sum};
+}
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Q4_0 / Q4_1 weights packed by 16 rows (bevy_q4_pack) times x rounded to 8 bits (x8_t),
+   in integers: ggml's way on the CPU, a few instructions per 32 weights where widening
+   each weight to float took about 24. Group g (rows 16g .. 16g + 15) holds, for each
+   block b in turn, the 16 rows' f16 d (32 bytes), for Q4_1 their f16 m (32 bytes), then
+   their quant bytes in four runs of 64: run j holds row r's bytes 4j .. 4j + 3 at 4r.
+   The same bytes as the blocks, reordered, so a slot packs in place. With the rows across
+   the 32-bit lanes, the low nibbles of run j are each row's elements 4j .. 4j + 3 and the
+   high ones 4j + 16 .. 4j + 19, each lane's four multiplied by the same four bytes of x
+   and added in one instruction (VNNI's dpbusd, else maddubs then madd). Each output is
+       y[r, n] = sum_b (d[n, b] * (dx[r, b] * i) + m[n, b] * s[r, b])
+   with i the integer q[n, b, :] . qx[r, b, :] (Q4_0: (q - 8) . qx, no m): exactly the
+   weights times x as rounded, the float operations in this order whatever m and the
+   columns are, and the same on every instruction set (integers are exact). */
 #ifdef __AVX512F__
-/* Q4_0 / Q4_1 weights packed by 16 rows (bevy_q4_pack); AVX-512 here, AVX2 below. Group g
-   (rows 16g .. 16g + 15) holds, for each block b in turn, the 16 rows' f16 d (32 bytes),
-   for Q4_1 their f16 m (32 bytes), then their quant bytes: byte i of the 16 rows, i =
-   0..15, 16 bytes each (row r at r). The same bytes as the blocks, reordered, so a slot
-   packs in place. With the rows across the lanes, one widened byte vector gives 16 rows'
-   weights for element i (low nibbles) and i + 16 (high), each multiplied by one x value
-   broadcast: no per-block broadcast of a scale, no scalar tail and no sum across lanes:
-   less than half the instructions per weight of the blocks as stored. Each output is
-       y[r, n] = sum_b (d[n, b] * (lo + hi) + m[n, b] * xsum[r, b])
-   with lo = sum over i of q_lo[n, b, i] * x[r, b, i] and hi likewise for the high nibbles
-   (Q4_0: q - 8, no m), in this order whatever m and the columns are. */
 static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, const int q4_1,
-                                                           const float *x, const float *xsum,
-                                                           const int m, int k, float *y,
-                                                           int ldy, int n0, int n1) {
+                                                           const x8_t x8, const int m, int k,
+                                                           float *y, int ldy, int n0, int n1) {
     const int nb = k / 32, bs = q4_1 ? 20 : 18, hs = q4_1 ? 64 : 32;
-    const __m512 nib = _mm512_sub_ps(
-        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_ps(q4_1 ? 0.f : 8.f));
+    const __m512i low = _mm512_set1_epi8(15);
+#ifndef __AVX512VNNI__
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
     for (int g = n0 / 16; g < n1 / 16; g++) {
         __m512 acc[ROWS];
         for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
         const uint8_t *c = w + (size_t)g * nb * 16 * bs;
         for (int b = 0; b < nb; b++, c += 16 * bs) {
-            __m512 lo[ROWS], hi[ROWS];
-            for (int r = 0; r < m; r++) lo[r] = hi[r] = _mm512_setzero_ps();
-            for (int i = 0; i < 16; i++) {
-                __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + hs + 16 * i)));
-                __m512 wl = _mm512_permutexvar_ps(q, nib);
-                __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), nib);
+            __m512i dot[ROWS];
+            for (int r = 0; r < m; r++) dot[r] = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j++) {
+                __m512i v = _mm512_loadu_si512((const void *)(c + hs + 64 * j));
+                __m512i lo = _mm512_and_si512(v, low);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int r = 0; r < m; r++) {
-                    const float *xb = x + (size_t)r * k + (size_t)b * 32;
-                    lo[r] = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[i]), lo[r]);
-                    hi[r] = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[i + 16]), hi[r]);
+                    const int8_t *xb = x8.q + (size_t)r * k + (size_t)b * 32 + 4 * j;
+                    __m512i xl = _mm512_set1_epi32(load_i32(xb));
+                    __m512i xh = _mm512_set1_epi32(load_i32(xb + 16));
+#ifdef __AVX512VNNI__
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], lo, xl);
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, xh);
+#else
+                    /* 16-bit sums: 8 pairs of at most 15 * 127 each, no saturation */
+                    dot[r] = _mm512_add_epi16(dot[r], _mm512_maddubs_epi16(lo, xl));
+                    dot[r] = _mm512_add_epi16(dot[r], _mm512_maddubs_epi16(hi, xh));
+#endif
                 }
             }
             __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)c));
-            for (int r = 0; r < m; r++) acc[r] = _mm512_fmadd_ps(dv, _mm512_add_ps(lo[r], hi[r]), acc[r]);
+            for (int r = 0; r < m; r++) {
+                const size_t rb = (size_t)r * nb + b;
+#ifndef __AVX512VNNI__
+                dot[r] = _mm512_madd_epi16(dot[r], ones);
+#endif
+                if (!q4_1) dot[r] = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(8 * x8.sum[rb]));
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(x8.d[rb]));
+                acc[r] = _mm512_fmadd_ps(dv, t, acc[r]);
+            }
             if (q4_1) {
                 __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c + 32)));
                 for (int r = 0; r < m; r++)
-                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[(size_t)r * nb + b]), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x8.s[(size_t)r * nb + b]), acc[r]);
             }
         }
         for (int r = 0; r < m; r++) _mm512_storeu_ps(y + (size_t)r * ldy + (size_t)g * 16, acc[r]);
@@ -205,74 +273,75 @@ static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, con
 }
 
 #else
-/* The same packed bytes on AVX2 (8 lanes): each group of 16 rows in two halves of 8, each
-   half's lanes the rows 8h .. 8h + 7. The weights are the same floats as AVX-512's
-   lookup gives ((q & 15) - 8 for Q4_0, q & 15 for Q4_1, likewise q >> 4) and every lane
-   takes the same multiply-adds in the same order as in the AVX-512 kernel, so the two
-   should agree bit for bit (reasoned, not tested: the tests hold each to the blocks as
-   stored). Rows of x go at most three at a time, their 3 x 3 accumulators in the 16
-   vector registers (four rows spilled, and ran slower than the blocks as stored); the
-   next three read the group's bytes again, from the CPU's cache. */
+/* The same on AVX2 (8 lanes): each group of 16 rows in two halves of 8 (half h: rows 8h ..
+   8h + 7, bytes 32h .. 32h + 31 of each run), rows of x at most four at a time (their
+   sums and accumulators, 8 of the 16 vector registers); the next four read the group's
+   bytes again, from the CPU's cache. */
 static inline __attribute__((always_inline)) void q4p_half(const uint8_t *c, const int q4_1,
-                                                           const float *x, const float *xsum,
-                                                           const int m, int k, float *y,
-                                                           int ldy, int h) {
+                                                           const x8_t x8, const int m, int k,
+                                                           float *y, int ldy, int h) {
     const int nb = k / 32, bs = q4_1 ? 20 : 18, hs = q4_1 ? 64 : 32;
-    const __m256 bias = _mm256_set1_ps(q4_1 ? 0.f : 8.f);
-    const __m256i low = _mm256_set1_epi32(15);
-    __m256 acc[3];
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, c += 16 * bs) {
-        __m256 lo[3], hi[3];
-        for (int r = 0; r < m; r++) lo[r] = hi[r] = _mm256_setzero_ps();
-        for (int i = 0; i < 16; i++) {
-            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + hs + 16 * i + 8 * h)));
-            __m256 wl = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), bias);
-            __m256 wh = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), bias);
+        __m256i dot[4];
+        for (int r = 0; r < m; r++) dot[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(c + hs + 64 * j + 32 * h));
+            __m256i lo = _mm256_and_si256(v, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             for (int r = 0; r < m; r++) {
-                const float *xb = x + (size_t)r * k + (size_t)b * 32;
-                lo[r] = _mm256_fmadd_ps(wl, _mm256_set1_ps(xb[i]), lo[r]);
-                hi[r] = _mm256_fmadd_ps(wh, _mm256_set1_ps(xb[i + 16]), hi[r]);
+                const int8_t *xb = x8.q + (size_t)r * k + (size_t)b * 32 + 4 * j;
+                /* 16-bit sums: 8 pairs of at most 15 * 127 each, no saturation */
+                dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xb))));
+                dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xb + 16))));
             }
         }
         __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + 16 * h)));
-        for (int r = 0; r < m; r++) acc[r] = _mm256_fmadd_ps(dv, _mm256_add_ps(lo[r], hi[r]), acc[r]);
+        for (int r = 0; r < m; r++) {
+            const size_t rb = (size_t)r * nb + b;
+            __m256i i = _mm256_madd_epi16(dot[r], ones);
+            if (!q4_1) i = _mm256_sub_epi32(i, _mm256_set1_epi32(8 * x8.sum[rb]));
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(x8.d[rb]));
+            acc[r] = _mm256_fmadd_ps(dv, t, acc[r]);
+        }
         if (q4_1) {
             __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c + 32 + 16 * h)));
             for (int r = 0; r < m; r++)
-                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[(size_t)r * nb + b]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x8.s[(size_t)r * nb + b]), acc[r]);
         }
     }
     for (int r = 0; r < m; r++) _mm256_storeu_ps(y + (size_t)r * ldy + 8 * h, acc[r]);
 }
 
 static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, const int q4_1,
-                                                           const float *x, const float *xsum,
-                                                           const int m, int k, float *y,
-                                                           int ldy, int n0, int n1) {
+                                                           const x8_t x8, const int m, int k,
+                                                           float *y, int ldy, int n0, int n1) {
     const int nb = k / 32, bs = q4_1 ? 20 : 18;
     for (int g = n0 / 16; g < n1 / 16; g++) {
         const uint8_t *c = w + (size_t)g * nb * 16 * bs;
         for (int h = 0; h < 2; h++)
-            for (int r0 = 0; r0 < m; r0 += 3) {
-                const float *xr = x + (size_t)r0 * k, *sr = xsum + (size_t)r0 * nb;
+            for (int r0 = 0; r0 < m; r0 += 4) {
+                const x8_t xr = x8_rows(x8, r0, k);
                 float *yr = y + (size_t)r0 * ldy + (size_t)g * 16;
-                if (m - r0 >= 3)
-                    q4p_half(c, q4_1, xr, sr, 3, k, yr, ldy, h);
+                if (m - r0 >= 4)
+                    q4p_half(c, q4_1, xr, 4, k, yr, ldy, h);
+                else if (m - r0 == 3)
+                    q4p_half(c, q4_1, xr, 3, k, yr, ldy, h);
                 else if (m - r0 == 2)
-                    q4p_half(c, q4_1, xr, sr, 2, k, yr, ldy, h);
+                    q4p_half(c, q4_1, xr, 2, k, yr, ldy, h);
                 else
-                    q4p_half(c, q4_1, xr, sr, 1, k, yr, ldy, h);
+                    q4p_half(c, q4_1, xr, 1, k, yr, ldy, h);
             }
     }
 }
 #endif
-#define Q40P(M) q4p_cols(w, 0, x, xsum, M, k, y, ldy, n0, n1)
-#define Q41P(M) q4p_cols(w, 1, x, xsum, M, k, y, ldy, n0, n1)
+#define Q40P(M) q4p_cols(w, 0, x8, M, k, y, ldy, n0, n1)
+#define Q41P(M) q4p_cols(w, 1, x8, M, k, y, ldy, n0, n1)
 
-static __attribute__((noinline)) void q4p_any(const uint8_t *w, int q4_1, const float *x,
-                                              const float *xsum, int m, int k, float *y,
-                                              int ldy, int n0, int n1) {
+static __attribute__((noinline)) void q4p_any(const uint8_t *w, int q4_1, const x8_t x8, int m,
+                                              int k, float *y, int ldy, int n0, int n1) {
     if (q4_1)
         WITH_M(Q41P)
     else
@@ -646,12 +715,12 @@ static __attribute__((noinline)) void qk_any(const uint8_t *w, int five, const f
 
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
    weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS,
-   8 Q5_0; T_Q40_PACKED and T_Q41_PACKED: Q4_0 / Q4_1 packed by 16 rows, n0 and n1
-   multiples of 16 (col_edge gives such edges). */
-static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, int m, int k,
-                    float *y, int ldy, int n0, int n1) {
-    if (type == T_Q40_PACKED || type == T_Q41_PACKED) {
-        q4p_any(w, type == T_Q41_PACKED, x, xsum, m, k, y, ldy, n0, n1);
+   8 Q5_0; T_Q40_PACKED and T_Q41_PACKED: Q4_0 / Q4_1 packed by 16 rows, which read x
+   as x8 rounds it (and not x), n0 and n1 multiples of 16 (col_edge gives such edges). */
+static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, const x8_t x8,
+                    int m, int k, float *y, int ldy, int n0, int n1) {
+    if (is_packed(type)) {
+        q4p_any(w, type == T_Q41_PACKED, x8, m, k, y, ldy, n0, n1);
         return;
     }
     if (type == 8)
@@ -704,14 +773,17 @@ static inline int col_edge(int n, int t, int chunks) {
 int bevy_q4_linear(const uint8_t *w, int type, const float *x, float *y, int M, int N, int K,
                    int threads) {
     const int nb = K / 32, chunks = n_chunks(N);
-    float *xsum = malloc(sizeof(float) * (size_t)M * nb + 1);
+    const size_t rounded = is_packed(type) ? x8_bytes(M, K) : 0;
+    float *xsum = malloc(sizeof(float) * (size_t)M * nb + rounded + 1);
     if (!xsum) return -1;
     block_sums(x, xsum, M, K);
+    const x8_t x8 = rounded ? x8_round(x, M, K, (uint8_t *)(xsum + (size_t)M * nb)) : (x8_t){0};
     for (int r0 = 0; r0 < M; r0 += ROWS) {
         int m = M - r0 < ROWS ? M - r0 : ROWS;
+        const x8_t xr = rounded ? x8_rows(x8, r0, K) : x8;
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int t = 0; t < chunks; t++)
-            q4_cols(w, type, x + (size_t)r0 * K, xsum + (size_t)r0 * nb, m, K,
+            q4_cols(w, type, x + (size_t)r0 * K, xsum + (size_t)r0 * nb, xr, m, K,
                     y + (size_t)r0 * N, N, col_edge(N, t, chunks), col_edge(N, t + 1, chunks));
     }
     free(xsum);
@@ -733,21 +805,29 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
     const int gelu = (types >> 12) & 1;
     const int nbh = hidden / 32, nbi = inner / 32;
     const int ci = n_chunks(inner), ch = n_chunks(hidden);
-    float *h = malloc(sizeof(float) * ((size_t)M * inner * 2 + (size_t)M * (nbh + nbi)) + 1);
+    /* x rounded to 8 bits for packed gate or up, each pass's h for a packed down */
+    const size_t xr8 = is_packed(gq) || is_packed(uq) ? x8_bytes(M, hidden) : 0;
+    const size_t hr8 = is_packed(dq) ? x8_bytes(ROWS, inner) : 0;
+    float *h = malloc(sizeof(float) * ((size_t)M * inner * 2 + (size_t)M * (nbh + nbi)) + xr8 +
+                      hr8 + 1);
     if (!h) return -1;
     float *u = h + (size_t)M * inner, *xsum = u + (size_t)M * inner, *hsum = xsum + (size_t)M * nbh;
+    uint8_t *x8buf = (uint8_t *)(hsum + (size_t)M * nbi), *h8buf = x8buf + xr8;
     block_sums(x, xsum, M, hidden);
+    const x8_t x8 = xr8 ? x8_round(x, M, hidden, x8buf) : (x8_t){0};
+    x8_t h8 = {0};
     for (int r0 = 0; r0 < M; r0 += ROWS) {
         int m = M - r0 < ROWS ? M - r0 : ROWS;
         const float *xr = x + (size_t)r0 * hidden, *xs = xsum + (size_t)r0 * nbh;
+        const x8_t x8r = xr8 ? x8_rows(x8, r0, hidden) : x8;
         float *hr = h + (size_t)r0 * inner, *ur = u + (size_t)r0 * inner;
 #pragma omp parallel num_threads(threads)
         {
 #pragma omp for schedule(static)
             for (int t = 0; t < ci; t++) {
                 int n0 = col_edge(inner, t, ci), n1 = col_edge(inner, t + 1, ci);
-                q4_cols(gate, gq, xr, xs, m, hidden, hr, inner, n0, n1);
-                q4_cols(up, uq, xr, xs, m, hidden, ur, inner, n0, n1);
+                q4_cols(gate, gq, xr, xs, x8r, m, hidden, hr, inner, n0, n1);
+                q4_cols(up, uq, xr, xs, x8r, m, hidden, ur, inner, n0, n1);
                 for (int r = 0; r < m; r++)
                     for (int n = n0; n < n1; n++) {
                         float g = hr[(size_t)r * inner + n];
@@ -756,12 +836,16 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
                     }
             }
 #pragma omp single
-            block_sums(hr, hsum + (size_t)r0 * nbi, m, inner);
-            /* (the implicit barrier after single: every thread sees all of hsum) */
+            {
+                block_sums(hr, hsum + (size_t)r0 * nbi, m, inner);
+                if (hr8) h8 = x8_round(hr, m, inner, h8buf);
+            }
+            /* (the implicit barrier after single: every thread sees all of hsum and h8) */
 #pragma omp for schedule(static)
             for (int t = 0; t < ch; t++)
-                q4_cols(down, dq, hr, hsum + (size_t)r0 * nbi, m, inner, out + (size_t)r0 * hidden,
-                        hidden, col_edge(hidden, t, ch), col_edge(hidden, t + 1, ch));
+                q4_cols(down, dq, hr, hsum + (size_t)r0 * nbi, h8, m, inner,
+                        out + (size_t)r0 * hidden, hidden, col_edge(hidden, t, ch),
+                        col_edge(hidden, t + 1, ch));
         }
     }
     free(h);
@@ -952,27 +1036,6 @@ int bevy_f32_linear(const float *w, const float *x, float *y, int M, int N, int 
     return 0;
 }
 
-/* out[j] byte i = in[i] byte j for 16 vectors of 16 bytes (a byte transpose): four
-   rounds of interleaving vector j with j + 8, the inputs taken in bit-reversed order so
-   that the outputs come out in order. */
-static void transpose16(const uint8_t *const in[16], uint8_t *const out[16]) {
-    static const int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-    __m128i t[16], u[16];
-    for (int j = 0; j < 16; j++) t[j] = _mm_loadu_si128((const __m128i *)in[rev[j]]);
-#define ROUND(LO, HI)                                                                        \
-    for (int j = 0; j < 8; j++) {                                                            \
-        u[2 * j] = LO(t[j], t[j + 8]);                                                       \
-        u[2 * j + 1] = HI(t[j], t[j + 8]);                                                   \
-    }                                                                                        \
-    memcpy(t, u, sizeof t);
-    ROUND(_mm_unpacklo_epi8, _mm_unpackhi_epi8)
-    ROUND(_mm_unpacklo_epi16, _mm_unpackhi_epi16)
-    ROUND(_mm_unpacklo_epi32, _mm_unpackhi_epi32)
-    ROUND(_mm_unpacklo_epi64, _mm_unpackhi_epi64)
-#undef ROUND
-    for (int j = 0; j < 16; j++) _mm_storeu_si128((__m128i *)out[j], t[j]);
-}
-
 /* Q4_0 (type 0) or Q4_1 (type 1) weights [n, k] as stored, packed in place by 16 rows for
    the packed kernels (q4p_cols: the same bytes, reordered within each group of 16 rows).
    Returns the packed type code for q4_cols; -1 where the type or shape does not pack (n a
@@ -988,16 +1051,12 @@ int bevy_q4_pack(uint8_t *w, int type, int n, int k) {
         memcpy(tmp, dst, group); /* rows 16g .. 16g + 15 as stored: the group's own bytes */
         for (int b = 0; b < nb; b++) {
             uint8_t *c = dst + (size_t)b * 16 * bs;
-            const uint8_t *in[16];
-            uint8_t *out[16];
             for (int r = 0; r < 16; r++) {
                 const uint8_t *blk = tmp + ((size_t)r * nb + b) * bs;
                 memcpy(c + 2 * r, blk, 2);
                 if (type) memcpy(c + 32 + 2 * r, blk + 2, 2);
-                in[r] = blk + hs;
-                out[r] = c + 16 * hs + 16 * r;
+                for (int j = 0; j < 4; j++) memcpy(c + 16 * hs + 64 * j + 4 * r, blk + hs + 4 * j, 4);
             }
-            transpose16(in, out);
         }
     }
     free(tmp);
@@ -1013,16 +1072,12 @@ int bevy_q4_unpack(const uint8_t *w, uint8_t *out, int type, int n, int k) {
     for (int g = 0; g < n / 16; g++)
         for (int b = 0; b < nb; b++) {
             const uint8_t *c = w + ((size_t)g * nb + b) * 16 * bs;
-            const uint8_t *in[16];
-            uint8_t *rows[16];
             for (int r = 0; r < 16; r++) {
                 uint8_t *blk = out + ((size_t)(16 * g + r) * nb + b) * bs;
                 memcpy(blk, c + 2 * r, 2);
                 if (type) memcpy(blk + 2, c + 32 + 2 * r, 2);
-                in[r] = c + 16 * hs + 16 * r;
-                rows[r] = blk + hs;
+                for (int j = 0; j < 4; j++) memcpy(blk + hs + 4 * j, c + 16 * hs + 64 * j + 4 * r, 4);
             }
-            transpose16(in, rows);
         }
     return 0;
 }

@@ -24,6 +24,17 @@ def random_blocks(qtype: QType, rows: int, cols: int, seed: int) -> torch.Tensor
     return raw.reshape(-1)
 
 
+def rounded_8bit(x: torch.Tensor) -> torch.Tensor:
+    """x as the packed kernels read it (``x8_round`` in q4_matmul.c), written out in torch:
+    each block of 32 of a row times 127 / its largest magnitude, rounded to the nearest
+    integer (ties to even), times that magnitude / 127. The same float operations, so the
+    same integers."""
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv) * (amax / 127.0)).reshape(x.shape)
+
+
 def random_expert(qtypes: tuple[QType, QType, QType], seed: int = 0) -> tuple:
     shapes = ((INNER, HIDDEN), (INNER, HIDDEN), (HIDDEN, INNER))
     return tuple(

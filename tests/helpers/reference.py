@@ -3,25 +3,43 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from backend.models.loader import LoadedModel
 from backend.models.transformer import KVCache, SeqSlice
+from tests.helpers.qblocks import rounded_8bit
 
 
 def greedy_logits(
-    model: LoadedModel, prompt: list[int], steps: int, get_expert=None
+    model: LoadedModel, prompt: list[int], steps: int, get_expert=None, rounded: bool = False
 ) -> tuple[list[int], torch.Tensor]:
-    """Prefill then ``steps`` greedy decode steps; logits at every predicting position."""
+    """Prefill then ``steps`` greedy decode steps; logits at every predicting position.
+    ``rounded``: each routed expert's input and inner activation rounded to 8 bits per
+    block of 32 (``rounded_8bit``), as the native backend's packed Q4 kernels read them
+    where every expert has a slot (SiLU experts without biases, as the tiny Q4 models')."""
     t = model.transformer
     get_expert = get_expert or model.resident_experts().get
-    kv = KVCache(model.config.n_layers)
-    ids = list(prompt)
-    out = [t.forward(torch.tensor(ids), [SeqSlice(kv, 0, len(ids))], get_expert)[0]]
-    for _ in range(steps):
-        ids.append(int(out[-1].argmax()))
-        out.append(
-            t.forward(torch.tensor(ids[-1:]), [SeqSlice(kv, len(ids) - 1, 1)], get_expert)[0]
-        )
+    if rounded:
+        assert t.config.plain_experts
+
+        def mlp(weights, x, layer=-1, e=-1):
+            gate, up, down = weights
+            xr = rounded_8bit(x)
+            return F.linear(rounded_8bit(F.silu(F.linear(xr, gate)) * F.linear(xr, up)), down)
+
+        t.expert_mlp = mlp  # this model's routed experts, until the finally below
+    try:
+        kv = KVCache(model.config.n_layers)
+        ids = list(prompt)
+        out = [t.forward(torch.tensor(ids), [SeqSlice(kv, 0, len(ids))], get_expert)[0]]
+        for _ in range(steps):
+            ids.append(int(out[-1].argmax()))
+            out.append(
+                t.forward(torch.tensor(ids[-1:]), [SeqSlice(kv, len(ids) - 1, 1)], get_expert)[0]
+            )
+    finally:
+        if rounded:
+            del t.expert_mlp
     return ids, torch.stack(out)
 
 

@@ -9,10 +9,12 @@ each expert alone on its rows, scaled and added in expert order.
 
 Where the cache has a slot for every expert (the model in memory), Q4_0 / Q4_1 weights
 are packed in their slot as the slot becomes ready (``native.pack``: 16 rows to a group,
-for a kernel with less than half the instructions per weight) and stay packed. Every
-product of an expert then reads the same packed bytes, so its bits do not depend on the
-policy or the batch. With fewer slots an expert is mostly fetched for one or two uses,
-and packing it cost more than those uses saved (docs/performance.md): it stays as stored.
+for a kernel that multiplies 8-bit integers, its input rounded to 8 bits per block of 32
+as llama.cpp's CPU kernels round theirs) and stay packed. Every product of an expert
+then reads the same packed bytes, so its bits do not depend on the policy or the batch
+(a prompt's expert with more than ``NATIVE_MAX_ROWS`` rows is multiplied in float).
+With fewer slots an expert is mostly fetched for one or two uses, and packing it cost
+more than those uses saved (docs/performance.md): it stays as stored.
 """
 
 from __future__ import annotations

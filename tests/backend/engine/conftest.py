@@ -9,8 +9,7 @@ import torch
 from backend.kernels.quants import QType
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import LoadedModel, load_model
-from tests.helpers.engine_runs import PROMPTS, STEPS
-from tests.helpers.reference import greedy_logits
+from tests.helpers.engine_runs import references as plain
 from tests.helpers.tiny import make_tiny
 
 
@@ -37,10 +36,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
 
 @pytest.fixture(scope="session")
 def references(models: dict[str, LoadedModel]) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
-    out = {}
-    for name, m in models.items():
-        out[name] = []
-        for p in PROMPTS:
-            ids, logits = greedy_logits(m, p, STEPS - 1)
-            out[name].append((ids[len(p) :] + [int(logits[-1].argmax())], logits))
+    """Plain generation's, and for the Q4 model with the packed kernels' rounding as well
+    (``engine_runs.expected``)."""
+    out = {name: plain(m) for name, m in models.items()}
+    out["mixtral-q4-gguf:rounded"] = plain(models["mixtral-q4-gguf"], rounded=True)
     return out

@@ -12,7 +12,7 @@ from backend.engine.balance import EVERY_S, Balancer
 from backend.engine.loop import Engine
 from backend.engine.scheduler import Policy, make_policy
 from backend.messages import Submit, TokenEvent
-from tests.helpers.engine_runs import drain, run_staggered
+from tests.helpers.engine_runs import drain, expected_refs, packed_experts, run_staggered
 from tests.helpers.spy import spy
 
 
@@ -65,10 +65,11 @@ def test_held_requests_match_plain_generation(
     try:
         assert eng.runahead_state() == "held"
         finished = run_staggered(eng)
-        for i, (tokens, logits) in enumerate(references[model_name]):
+        refs, bound = expected_refs(references, model_name, packed_experts(eng))
+        for i, (tokens, logits) in enumerate(refs):
             assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
             ours = torch.stack(eng.logits_log[f"r{i}"])
-            assert (ours - logits).abs().max().item() <= 1e-4, f"r{i}"
+            assert (ours - logits).abs().max().item() <= bound, f"r{i}"
         assert sum(eng.cache.refs) == 0
         # Every group was chosen held: the lowest layer's batch, or the lowest ready layer
         # where the cache's pins kept that batch from claiming.
