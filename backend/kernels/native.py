@@ -351,6 +351,18 @@ def unpack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> torch.Ten
     return out
 
 
+def packed_copies(parts: tuple) -> tuple[tuple, tuple[bool, ...]]:
+    """``parts`` ((raw, qtype, shape) of an expert's gate, up, down) with each part that
+    packs replaced by a packed copy, and which did: ``expert_mlp``'s arguments."""
+    out, flags = [], []
+    for raw, qtype, shape in parts:
+        copy = raw.clone()
+        ok = pack(copy, qtype, shape)
+        out.append((copy if ok else raw, qtype, shape))
+        flags.append(ok)
+    return tuple(out), tuple(flags)
+
+
 def packed_types(types: int, packed: tuple[bool, ...]) -> int:
     """``types`` (``mlp_types``' bits) with part i's code the packed one where
     ``packed[i]``."""

@@ -97,14 +97,17 @@ def run_clean(model: LoadedModel, config: EngineConfig, **policy) -> tuple[dict,
     return finished, eng.logits_log
 
 
-def assert_same_results(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+def assert_same_results(a: tuple[dict, dict], b: tuple[dict, dict], packed: bool = False) -> None:
     """Two ``run_clean`` results: the same tokens, logits within 1e-5 (groups form by
-    fetch timing, and the tiny models' dense BLAS path rounds by batch shape)."""
+    fetch timing, and the tiny models' dense BLAS path rounds by batch shape). With
+    ``packed`` experts, within ``ROUNDED_BOUND``: a last-bit difference from that BLAS
+    path can move an expert input across a rounding edge (the demo's and other GGUF
+    models' dense products are the row-independent native kernels)."""
     (fin, logs), (fin0, logs0) = a, b
     for rid, f in fin.items():
         assert f.token_ids == fin0[rid].token_ids, rid
         ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
-        assert (ours - theirs).abs().max().item() <= 1e-5, rid
+        assert (ours - theirs).abs().max().item() <= (ROUNDED_BOUND if packed else 1e-5), rid
 
 
 def plain_references(model: LoadedModel) -> list[tuple[list[int], torch.Tensor]]:

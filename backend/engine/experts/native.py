@@ -2,17 +2,18 @@
 
 A run's experts go to the kernels in one call (``native.moe``), riders' products and
 prompts' sums so far included, with no Python or torch op per expert. A run the
-whole-layer kernel does not take (a prompt after a one-token rider, an expert with more
-rows than ``NATIVE_MAX_ROWS``) goes expert by expert: the kernel for a few rows, dequantize-then-matmul
-(``EagerExperts``) for more, where BLAS is the faster product. Both give the bits of
-each expert alone on its rows, scaled and added in expert order.
+whole-layer kernel does not take (a prompt after a one-token rider, an unpacked expert
+with more rows than ``NATIVE_MAX_ROWS``) goes expert by expert: the kernel for a few
+rows, dequantize-then-matmul (``EagerExperts``) for more, where BLAS is the faster
+product. Both give the bits of each expert alone on its rows, scaled and added in
+expert order.
 
 Where the cache has a slot for every expert (the model in memory), Q4_0 / Q4_1 weights
 are packed in their slot as the slot becomes ready (``native.pack``: 16 rows to a group,
 for a kernel that multiplies 8-bit integers, its input rounded to 8 bits per block of 32
 as llama.cpp's CPU kernels round theirs) and stay packed. Every product of an expert
-then reads the same packed bytes, so its bits do not depend on the policy or the batch
-(a prompt's expert with more than ``NATIVE_MAX_ROWS`` rows is multiplied in float).
+then goes through the same kernel, however many rows it has, so its bits do not depend
+on the policy or the batch.
 With fewer slots an expert is mostly fetched for one or two uses, and packing it cost
 more than those uses saved (docs/performance.md): it stays as stored.
 """
@@ -110,8 +111,15 @@ class NativeExperts(EagerExperts):
             )
         return out[0], out[1], out[2]
 
+    def _too_many(self, key: tuple[int, int], rows: int) -> bool:
+        """Whether ``rows`` of expert ``key`` go to dequantize-then-matmul: past
+        ``NATIVE_MAX_ROWS``, unless the expert is packed, whose integer kernel beats BLAS
+        at every row count measured (docs/performance.md) and keeps every product of the
+        expert the same arithmetic, prompts' included."""
+        return rows > NATIVE_MAX_ROWS and not any(self._parts_packed(key))
+
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > NATIVE_MAX_ROWS:
+        if self._too_many((layer, e), x.shape[0]):
             return super().mlp(layer, e, x)
         packed = self._parts_packed((layer, e))
         out = native.expert_mlp(self.stored_parts(layer, e), x, self.t.config.native_act, packed)
@@ -156,7 +164,8 @@ class NativeExperts(EagerExperts):
         w: torch.Tensor,
     ) -> torch.Tensor | None:
         """``moe`` in one call to ``native.moe``; None if an expert has more routes than
-        ``NATIVE_MAX_ROWS``, or if a prompt among the others comes after a one-token one.
+        it takes (``_too_many``), or if a prompt among the others comes after a one-token
+        one.
 
         A prompt among the others (applying some of its experts, ``scheduler.split``) has
         them added to its ``acc`` by the kernel, which goes on from the sums the prompt
@@ -170,7 +179,7 @@ class NativeExperts(EagerExperts):
         for r, s in zip(members, subsets, strict=True):
             if r.n > NATIVE_MAX_ROWS:
                 counts = torch.bincount(r.route_ids.flatten()).tolist()
-                if any(counts[e] > NATIVE_MAX_ROWS for e in s if e < len(counts)):
+                if any(self._too_many((layer, e), counts[e]) for e in s if e < len(counts)):
                     return None
         by_expert: dict[int, list[int]] = {}
         i = 0  # route i is row i // k: rows ascending
@@ -180,7 +189,7 @@ class NativeExperts(EagerExperts):
                     if m < n_whole or e in s:
                         by_expert.setdefault(e, []).append(i)
                     i += 1
-        if any(len(rs) > NATIVE_MAX_ROWS for rs in by_expert.values()):
+        if any(self._too_many((layer, e), len(rs)) for e, rs in by_expert.items()):
             return None
         base, stride = self.slots.data_ptr(), self.slots.stride(0)
         inner, hidden = self.experts[layer][0].gate.shape

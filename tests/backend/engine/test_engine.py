@@ -331,7 +331,7 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
         rid = f"r{i}"
         assert list(fin[rid].token_ids) == tokens, rid
         assert (torch.stack(logs[rid]) - logits).abs().max().item() <= bound, rid
-    assert_same_results(out, out0)
+    assert_same_results(out, out0, packed=cache == "1.0")
 
 
 def _slowed(method):
