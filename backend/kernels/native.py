@@ -328,9 +328,9 @@ def linear(
 def pack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> bool:
     """Reorder a Q4_0 / Q4_1 weight [n, k] stored in ``raw`` in place, 16 rows to a group,
     for the packed kernels (``q4p_cols`` in q4_matmul.c: integer products with x rounded
-    to 8 bits per block of 32, as ggml's CPU kernels multiply, a few instructions per 32
-    weights where the blocks as stored take about 14 on AVX-512). False, with ``raw`` untouched, where the kernels
-    are unavailable or the weight does not pack (another type, n not a multiple of 16).
+    to 8 bits per block of 32, as ggml's CPU kernels multiply). False, with ``raw``
+    untouched, where the kernels are unavailable or the weight does not pack (another
+    type, n not a multiple of 16).
     The caller then passes ``packed`` to ``expert_mlp`` / ``packed_types`` / ``linear``,
     and ``unpack`` gives the blocks as stored back."""
     lib = library()

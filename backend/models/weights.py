@@ -139,9 +139,9 @@ class StoredExpert:
     ``native.EXPERT_MAX_ROWS`` rows; more rows (a prompt) go through its dequantized
     weights, where BLAS is the faster product. ``Transformer.moe`` calls it on its rows.
     With ``packed``, each call multiplies a packed copy of the Q4_0 / Q4_1 parts
-    (``native.packed_copies``), whatever its rows, as the native backend does where every
-    expert has a slot: the same products, so plain generation is the reference for those
-    runs too."""
+    (``native.packed_copies``), whatever its rows where any part packs, as the native
+    backend does where every expert has a slot: the same products, so plain generation
+    is the reference for those runs too."""
 
     def __init__(self, parts: tuple, dequantized, act: str = "silu", packed: bool = False) -> None:
         self.parts = parts  # ((raw bytes, qtype, shape) of gate, up, down)
@@ -154,12 +154,11 @@ class StoredExpert:
         multiplies ``weights()``)."""
         from backend.kernels import native
 
-        if x.shape[0] > native.EXPERT_MAX_ROWS and not self.packed:
+        # (a packed copy per call: plain generation holds no second model)
+        parts, packed = native.packed_copies(self.parts) if self.packed else (self.parts, ())
+        if x.shape[0] > native.EXPERT_MAX_ROWS and not any(packed):  # as the engine's rule
             return None
-        if self.packed:  # (a copy per call: plain generation holds no second model)
-            parts, packed = native.packed_copies(self.parts)
-            return native.expert_mlp(parts, x, self.act, packed)
-        return native.expert_mlp(self.parts, x, self.act)
+        return native.expert_mlp(parts, x, self.act, packed or (False,) * 3)
 
     def weights(self) -> ExpertWeights:
         return self._dequantized()
