@@ -27,15 +27,15 @@ PROMPTS = [
 
 STEPS = 6
 
+# Every policy, bevy-static with groups of 3.
+ALL_POLICIES = [p.replace(":K", ":3") for p in POLICIES]
+
 # The logits' bound against plain generation. Where every expert has a slot, the native
 # backend packs Q4_0 / Q4_1 experts, and its packed kernels read each expert's input and
 # inner activation rounded to 8 bits per block of 32, as ggml's CPU kernels do: those
 # runs are held to plain generation with the same rounding (``references(rounded=True)``)
 # within ``ROUNDED_BOUND``, as a value within float error of a rounding edge may round
 # the other way in one and not the other (a step of 1/127 of its block's largest).
-# Every policy, bevy-static with groups of 3.
-ALL_POLICIES = [p.replace(":K", ":3") for p in POLICIES]
-
 LOGITS_BOUND = 1e-4
 ROUNDED_BOUND = 1e-2
 

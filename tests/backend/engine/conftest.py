@@ -37,7 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoadedModel]:
 @pytest.fixture(scope="session")
 def references(models: dict[str, LoadedModel]) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
     """Plain generation's, and for the Q4 model with the packed kernels' rounding as well
-    (``engine_runs.expected``)."""
+    (``engine_runs.expected_refs``)."""
     out = {name: plain(m) for name, m in models.items()}
     out["mixtral-q4-gguf:rounded"] = plain(models["mixtral-q4-gguf"], rounded=True)
     return out
