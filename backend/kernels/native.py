@@ -93,6 +93,10 @@ EXPERT_TYPES = {
 }
 # Q4_0 / Q4_1 packed by 16 rows (``pack``): the C side's code for each stored type's code.
 PACKED_CODES = {0: 9, 1: 10}
+# The block types whose expert products read x rounded to 8 bits per block of 32
+# (``x8_round``), as stored or packed alike (the same bits either way): their kernel
+# takes any number of rows, so that a row's result does not depend on its batch.
+ROUNDING = (QType.Q4_0, QType.Q4_1)
 # The expert kernels' activations (``ModelConfig.native_act``) and their bit in ``types``.
 ACTS = {"silu": 0, "gelu": 1 << 12}
 
@@ -328,7 +332,9 @@ def linear(
 def pack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> bool:
     """Reorder a Q4_0 / Q4_1 weight [n, k] stored in ``raw`` in place, 16 rows to a group,
     for the packed kernels (``q4p_cols`` in q4_matmul.c: integer products with x rounded
-    to 8 bits per block of 32, as ggml's CPU kernels multiply). False, with ``raw``
+    to 8 bits per block of 32, as ggml's CPU kernels multiply; ``expert_mlp`` gives the
+    same bits on the blocks as stored, more slowly, while ``linear`` multiplies those
+    in float). False, with ``raw``
     untouched, where the kernels are unavailable or the weight does not pack (another
     type, n not a multiple of 16).
     The caller then passes ``packed`` to ``expert_mlp`` / ``packed_types`` / ``linear``,
@@ -351,18 +357,6 @@ def unpack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> torch.Ten
     return out
 
 
-def packed_copies(parts: tuple) -> tuple[tuple, tuple[bool, ...]]:
-    """``parts`` ((raw, qtype, shape) of an expert's gate, up, down) with each part that
-    packs replaced by a packed copy, and which did: ``expert_mlp``'s arguments."""
-    out, flags = [], []
-    for raw, qtype, shape in parts:
-        copy = raw.clone()
-        ok = pack(copy, qtype, shape)
-        out.append((copy if ok else raw, qtype, shape))
-        flags.append(ok)
-    return tuple(out), tuple(flags)
-
-
 def packed_types(types: int, packed: tuple[bool, ...]) -> int:
     """``types`` (``mlp_types``' bits) with part i's code the packed one where
     ``packed[i]``."""
@@ -378,7 +372,9 @@ def expert_mlp(
 ):
     """down(act(gate(x)) * up(x)) for ``parts`` = ((raw, qtype, shape) of gate, up, down),
     ``act`` SiLU or GELU (tanh), ``packed[i]`` where part i's bytes were packed (``pack``);
-    None where the kernels are unavailable or do not take these arguments."""
+    None where the kernels are unavailable or do not take these arguments. Q4_0 / Q4_1
+    parts read their input rounded to 8 bits per block of 32 (``ROUNDING``), packed or
+    not; each row's result does not depend on its batch-mates."""
     lib = library()
     if lib is None:
         return None
@@ -521,8 +517,17 @@ def moe(
 # Rows of one expert up to which ``expert_mlp`` (eight rows at a time, the weights read
 # from their blocks for each eight) beats dequantizing the expert and multiplying by BLAS,
 # measured with the experts out of the CPU's cache (docs/performance.md). Past it, an
-# expert is dequantized once for all its rows.
+# expert is dequantized once for all its rows, unless ``any_rows``.
 EXPERT_MAX_ROWS = 128
+
+
+def any_rows(qtypes) -> bool:
+    """Whether the expert kernels take any number of rows for an expert whose parts have
+    these block types: where one part reads x rounded (``ROUNDING``), whose products
+    dequantize-then-matmul would not reproduce; its kernel, from a packed copy for many
+    rows, also beats BLAS at every row count measured (docs/performance.md)."""
+    return any(q in ROUNDING for q in qtypes)
+
 
 # ``attention``: the most query heads per kv head the kernel takes (``ATT_MAX_REP``).
 ATTN_MAX_REP = 16

@@ -14,8 +14,9 @@
  * table, AVX2 converts it; q - 8 is exact either way) and each scale
  * applied once per block. Every row of x is reduced on its own, in the same
  * order whatever the other rows are, so a row's result does not depend on its batch-mates.
- * The packed Q4_0 / Q4_1 layout (bevy_q4_pack, q4p_cols) multiplies in integers instead,
- * x rounded to 8 bits per block of 32 (x8_round), as ggml's CPU kernels do.
+ * Experts' Q4_0 / Q4_1 parts (bevy_q4_expert_mlp) multiply in integers instead, x rounded
+ * to 8 bits per block of 32 (x8_round), as ggml's CPU kernels do: packed by 16 rows
+ * (bevy_q4_pack, q4p_cols) or as stored (q4x_cols), to the same bits.
  * Build with -ffp-contract=off: a scalar multiply-add is then never fused in one place and
  * not another.
  */
@@ -33,6 +34,12 @@
 #define T_Q40_PACKED 9
 #define T_Q41_PACKED 10
 static inline int is_packed(int type) { return type == T_Q40_PACKED || type == T_Q41_PACKED; }
+/* Q4_0 / Q4_1 as stored, multiplied as the packed codes are (x rounded to 8 bits,
+   q4x_cols): what the expert kernels make of 0 and 1 (x8_code). */
+#define T_Q40_X8 11
+#define T_Q41_X8 12
+static inline int reads_x8(int type) { return is_packed(type) || type == T_Q40_X8 || type == T_Q41_X8; }
+static inline int x8_code(int type) { return type == 0 ? T_Q40_X8 : type == 1 ? T_Q41_X8 : type; }
 
 #ifdef __AVX512F__
 /* One block of weight row W: its 32 widened weights times each x row, added to ACC. */
@@ -346,6 +353,107 @@ static __attribute__((noinline)) void q4p_any(const uint8_t *w, int q4_1, const 
         WITH_M(Q41P)
     else
         WITH_M(Q40P)
+}
+
+/* Q4_0 / Q4_1 blocks as stored times x rounded to 8 bits (x8_t): the packed kernels'
+   products bit for bit, without packing (an expert as its slot or file holds it), so an
+   expert's results do not depend on whether it was packed. Eight weight rows at a time,
+   one to a lane: each row's block widened once to its 32 nibbles in x's order (byte i's
+   low nibble is element i, its high one element i + 16), its integer dot with each row
+   of x summed across the vector (integers: exact), the eight rows' sums gathered into
+   one vector, then per lane the float operations of q4p_cols in the same order. */
+static inline __m256i nibbles32(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(b, _mm256_set1_epi8(15));
+}
+
+/* Eight 32-bit partial sums of w (unsigned) times x (signed), byte by byte. */
+static inline __m256i dot32(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+    /* 16-bit sums of pairs: at most 2 * 15 * 127, no saturation */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Lane i: the sum of v[i]'s eight lanes. */
+static inline __m256i lane_sums(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* a: rows 0-3's sums of elements 0-3 in its low half, of 4-7 in its high; c: rows 4-7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20),
+                            _mm256_permute2x128_si256(a, c, 0x31));
+}
+
+static inline __attribute__((always_inline)) void q4x_cols(const uint8_t *w, const int q4_1,
+                                                           const x8_t x8, const int m, int k,
+                                                           float *y, int ldy, int n0, int n1) {
+    const int nb = k / 32, bs = q4_1 ? 20 : 18, hs = q4_1 ? 4 : 2;
+    const size_t row = (size_t)nb * bs;
+    int n = n0;
+    for (; n + 8 <= n1; n += 8) {
+        __m256 acc[ROWS];
+        for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+        const uint8_t *w0 = w + (size_t)n * row, *next = w0 + 8 * row;
+        for (int b = 0; b < nb; b++) {
+            __m256i wb[8];
+            const uint8_t *blk = w0 + (size_t)b * bs;
+            for (int i = 0; i < 8; i++) {
+                /* (the next eight rows, as cols does: short streams the hardware misses) */
+                _mm_prefetch((const char *)(next + (size_t)i * row + (size_t)b * bs), _MM_HINT_T0);
+                wb[i] = nibbles32(blk + (size_t)i * row + hs);
+            }
+#define F16S(O)                                                                              \
+    _mm256_setr_ps(f16_at(blk + (O)), f16_at(blk + row + (O)), f16_at(blk + 2 * row + (O)),   \
+                   f16_at(blk + 3 * row + (O)), f16_at(blk + 4 * row + (O)),                  \
+                   f16_at(blk + 5 * row + (O)), f16_at(blk + 6 * row + (O)),                  \
+                   f16_at(blk + 7 * row + (O)))
+            const __m256 dv = F16S(0), mv = q4_1 ? F16S(2) : _mm256_setzero_ps();
+#undef F16S
+            for (int r = 0; r < m; r++) {
+                const size_t rb = (size_t)r * nb + b;
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(x8.q + (size_t)r * k + (size_t)b * 32));
+                __m256i v[8];
+                for (int i = 0; i < 8; i++) v[i] = dot32(wb[i], xv);
+                __m256i s = lane_sums(v);
+                if (!q4_1) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * x8.sum[rb]));
+                const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(x8.d[rb]));
+                acc[r] = _mm256_fmadd_ps(dv, t, acc[r]);
+                if (q4_1) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x8.s[rb]), acc[r]);
+            }
+        }
+        for (int r = 0; r < m; r++) _mm256_storeu_ps(y + (size_t)r * ldy + n, acc[r]);
+    }
+    for (; n < n1; n++) { /* the same operations one row at a time (fmaf: fused, as above) */
+        float acc[ROWS] = {0};
+        const uint8_t *w0 = w + (size_t)n * row;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = w0 + (size_t)b * bs, *q = blk + hs;
+            const float d = f16_at(blk), c = q4_1 ? f16_at(blk + 2) : 0.f;
+            for (int r = 0; r < m; r++) {
+                const size_t rb = (size_t)r * nb + b;
+                const int8_t *xb = x8.q + (size_t)r * k + (size_t)b * 32;
+                int32_t i = 0;
+                for (int j = 0; j < 16; j++) i += (q[j] & 15) * xb[j] + (q[j] >> 4) * xb[j + 16];
+                if (!q4_1) i -= 8 * x8.sum[rb];
+                acc[r] = fmaf(d, (float)i * x8.d[rb], acc[r]);
+                if (q4_1) acc[r] = fmaf(c, x8.s[rb], acc[r]);
+            }
+        }
+        for (int r = 0; r < m; r++) y[(size_t)r * ldy + n] = acc[r];
+    }
+}
+#define Q40X(M) q4x_cols(w, 0, x8, M, k, y, ldy, n0, n1)
+#define Q41X(M) q4x_cols(w, 1, x8, M, k, y, ldy, n0, n1)
+
+static __attribute__((noinline)) void q4x_any(const uint8_t *w, int q4_1, const x8_t x8, int m,
+                                              int k, float *y, int ldy, int n0, int n1) {
+    if (q4_1)
+        WITH_M(Q41X)
+    else
+        WITH_M(Q40X)
 }
 
 /* Sub-block j's 6-bit scale and min of a Q4_K super-block's 12 packed bytes s (ggml's
@@ -716,11 +824,16 @@ static __attribute__((noinline)) void qk_any(const uint8_t *w, int five, const f
 /* y[r, n] for r < m (1 <= m <= ROWS) and n0 <= n < n1; y has row stride ldy. type: the
    weight's blocks, 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 Q6_K, 4 Q5_K, 5 Q8_0, 6 Q3_K, 7 IQ4_XS,
    8 Q5_0; T_Q40_PACKED and T_Q41_PACKED: Q4_0 / Q4_1 packed by 16 rows, which read x
-   as x8 rounds it (and not x), n0 and n1 multiples of 16 (col_edge gives such edges). */
+   as x8 rounds it (and not x), n0 and n1 multiples of 16 (col_edge gives such edges);
+   T_Q40_X8 and T_Q41_X8: Q4_0 / Q4_1 as stored, read as the packed ones are. */
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, const x8_t x8,
                     int m, int k, float *y, int ldy, int n0, int n1) {
     if (is_packed(type)) {
         q4p_any(w, type == T_Q41_PACKED, x8, m, k, y, ldy, n0, n1);
+        return;
+    }
+    if (type == T_Q40_X8 || type == T_Q41_X8) {
+        q4x_any(w, type == T_Q41_X8, x8, m, k, y, ldy, n0, n1);
         return;
     }
     if (type == 8)
@@ -773,7 +886,7 @@ static inline int col_edge(int n, int t, int chunks) {
 int bevy_q4_linear(const uint8_t *w, int type, const float *x, float *y, int M, int N, int K,
                    int threads) {
     const int nb = K / 32, chunks = n_chunks(N);
-    const size_t rounded = is_packed(type) ? x8_bytes(M, K) : 0;
+    const size_t rounded = reads_x8(type) ? x8_bytes(M, K) : 0;
     float *xsum = malloc(sizeof(float) * (size_t)M * nb + rounded + 1);
     if (!xsum) return -1;
     block_sums(x, xsum, M, K);
@@ -795,19 +908,64 @@ static inline float gelu_tanh(float g) {
     return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 
+/* Rows of x from which a stored Q4_0 / Q4_1 expert part is multiplied from a packed copy
+   (pack_copy): the copy costs about a pass over the part's bytes, which the packed
+   kernel's speed repays past this (benchmarks/q4_kernels.py). */
+#define PACK_FROM_ROWS 32
+
+/* A packed copy (bevy_q4_pack) of stored Q4_0 / Q4_1 weight *w [n, k] (*type T_Q40_X8 or
+   T_Q41_X8), the same products (q4x_cols gives the packed kernel's bits); *w and *type
+   become the copy's. NULL, leaving them, where the weight does not pack or memory runs
+   out (the stored kernel then multiplies it). */
+static uint8_t *pack_copy(const uint8_t **w, int *type, int n, int k) {
+    if (*type != T_Q40_X8 && *type != T_Q41_X8) return NULL;
+    const int q4_1 = *type == T_Q41_X8;
+    const size_t bytes = (size_t)n * (k / 32) * (q4_1 ? 20 : 18);
+    uint8_t *copy = malloc(bytes + 1);
+    if (!copy) return NULL;
+    memcpy(copy, *w, bytes);
+    const int code = bevy_q4_pack(copy, q4_1, n, k);
+    if (code < 0) {
+        free(copy);
+        return NULL;
+    }
+    *w = copy;
+    *type = code;
+    return copy;
+}
+
+static int expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int gq,
+                      int uq, int dq, int gelu, const float *x, float *out, int M, int inner,
+                      int hidden, int threads);
+
 /* out [M, hidden] = down(act(gate(x)) * up(x)) for one expert; x [M, hidden]; gate and up
    [inner, hidden], down [hidden, inner]. types: bits 0-3, 4-7, 8-11: gate's, up's and
-   down's block type (as for q4_cols); bit 12: act is GELU (tanh), else SiLU.
+   down's block type (as for q4_cols); bit 12: act is GELU (tanh), else SiLU. Q4_0 and
+   Q4_1 parts read x (and the inner activation) rounded to 8 bits, packed or not.
    On `threads` threads; 0 on success, -1 if out of memory. */
 int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int types,
                        const float *x, float *out, int M, int inner, int hidden, int threads) {
-    const int gq = types & 15, uq = (types >> 4) & 15, dq = (types >> 8) & 15;
-    const int gelu = (types >> 12) & 1;
+    int gq = x8_code(types & 15), uq = x8_code((types >> 4) & 15), dq = x8_code((types >> 8) & 15);
+    uint8_t *copies[3] = {0};
+    if (M >= PACK_FROM_ROWS) {
+        copies[0] = pack_copy(&gate, &gq, inner, hidden);
+        copies[1] = pack_copy(&up, &uq, inner, hidden);
+        copies[2] = pack_copy(&down, &dq, hidden, inner);
+    }
+    const int rc = expert_mlp(gate, up, down, gq, uq, dq, (types >> 12) & 1, x, out, M, inner,
+                              hidden, threads);
+    for (int i = 0; i < 3; i++) free(copies[i]);
+    return rc;
+}
+
+static int expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *down, int gq,
+                      int uq, int dq, int gelu, const float *x, float *out, int M, int inner,
+                      int hidden, int threads) {
     const int nbh = hidden / 32, nbi = inner / 32;
     const int ci = n_chunks(inner), ch = n_chunks(hidden);
     /* x rounded to 8 bits for packed gate or up, each pass's h for a packed down */
-    const size_t xr8 = is_packed(gq) || is_packed(uq) ? x8_bytes(M, hidden) : 0;
-    const size_t hr8 = is_packed(dq) ? x8_bytes(ROWS, inner) : 0;
+    const size_t xr8 = reads_x8(gq) || reads_x8(uq) ? x8_bytes(M, hidden) : 0;
+    const size_t hr8 = reads_x8(dq) ? x8_bytes(ROWS, inner) : 0;
     float *h = malloc(sizeof(float) * ((size_t)M * inner * 2 + (size_t)M * (nbh + nbi)) + xr8 +
                       hr8 + 1);
     if (!h) return -1;

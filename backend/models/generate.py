@@ -287,17 +287,12 @@ def generate(
 
 @torch.inference_mode()
 def greedy_reference(
-    model: LoadedModel,
-    prompts: list[list[int]],
-    steps: int,
-    get_expert: GetExpert | None = None,
-    packed: bool = False,
+    model: LoadedModel, prompts: list[list[int]], steps: int, get_expert: GetExpert | None = None
 ) -> list[list[int]]:
     """Plain in-memory greedy decoding of several prompts as one batch, ``steps`` tokens each
-    (EOS ignored): the reference every engine policy must reproduce; ``packed``: with the
-    experts multiplied as the native backend multiplies them where each has a slot."""
+    (EOS ignored): the reference every engine policy must reproduce."""
     t = model.transformer
-    get_expert = get_expert or model.resident_experts(native=True, packed=packed).for_compute
+    get_expert = get_expert or model.resident_experts(native=True).for_compute
     kvs = [KVCache(model.config.n_layers) for _ in prompts]
     seqs = [SeqSlice(kv, 0, len(p)) for kv, p in zip(kvs, prompts, strict=True)]
     logits = t.forward(

@@ -61,12 +61,9 @@ class LoadedModel:
     size_bytes: int
     dense_refs: dict[str, TensorRef]  # canonical name -> where the resident weight came from
 
-    def resident_experts(
-        self, budget_mib: int = 3072, native: bool = False, packed: bool = False
-    ) -> ResidentExperts:
+    def resident_experts(self, budget_mib: int = 3072, native: bool = False) -> ResidentExperts:
         """The experts for plain generation; with ``native``, Q4 ones applied from their
-        stored bytes where the kernels build, with ``packed`` as the native backend applies
-        them where every expert has a slot (``ResidentExperts``)."""
+        stored bytes where the kernels build (``ResidentExperts``)."""
         t = self.transformer
         return ResidentExperts(
             self.files,
@@ -75,7 +72,6 @@ class LoadedModel:
             t.device,
             budget_mib << 20,
             native=native,
-            packed=packed,
             act=t.config.native_act,
         )
 

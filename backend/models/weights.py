@@ -135,30 +135,24 @@ def dequantize_slot(
 class StoredExpert:
     """An expert applied straight from its stored bytes (the block types of
     ``native.EXPERT_TYPES``) by the native kernel (``native.expert_mlp``, what the
-    engine's native backend runs), for up to
-    ``native.EXPERT_MAX_ROWS`` rows; more rows (a prompt) go through its dequantized
-    weights, where BLAS is the faster product. ``Transformer.moe`` calls it on its rows.
-    With ``packed``, each call multiplies a packed copy of the Q4_0 / Q4_1 parts
-    (``native.packed_copies``), whatever its rows where any part packs, as the native
-    backend does where every expert has a slot: the same products, so plain generation
-    is the reference for those runs too."""
+    engine's native backend runs), for up to ``native.EXPERT_MAX_ROWS`` rows unless the
+    kernel takes any (``native.any_rows``, the engine's rule); more rows (a prompt) go
+    through its dequantized weights, where BLAS is the faster product.
+    ``Transformer.moe`` calls it on its rows."""
 
-    def __init__(self, parts: tuple, dequantized, act: str = "silu", packed: bool = False) -> None:
+    def __init__(self, parts: tuple, dequantized, act: str = "silu") -> None:
         self.parts = parts  # ((raw bytes, qtype, shape) of gate, up, down)
         self._dequantized = dequantized  # () -> ExpertWeights
         self.act = act
-        self.packed = packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """down(act(gate(x)) * up(x)) by the kernel; None past its rows (the caller then
         multiplies ``weights()``)."""
         from backend.kernels import native
 
-        # (a packed copy per call: plain generation holds no second model)
-        parts, packed = native.packed_copies(self.parts) if self.packed else (self.parts, ())
-        if x.shape[0] > native.EXPERT_MAX_ROWS and not any(packed):  # as the engine's rule
+        if x.shape[0] > native.EXPERT_MAX_ROWS and not native.any_rows(q for _, q, _ in self.parts):
             return None
-        return native.expert_mlp(parts, x, self.act, packed or (False,) * 3)
+        return native.expert_mlp(self.parts, x, self.act)
 
     def weights(self) -> ExpertWeights:
         return self._dequantized()
@@ -171,8 +165,7 @@ class ResidentExperts:
     CPU in float32), experts in the kernels' block types (``native.EXPERT_TYPES``) are
     applied from their mapped bytes (``StoredExpert``), as the engine applies them; others are dequantized on use and kept
     in an LRU bounded by ``budget_bytes``, because dequantizing every expert on every token
-    dominates otherwise. ``packed``: as the native backend applies them where every
-    expert has a slot (``StoredExpert``'s ``packed``).
+    dominates otherwise.
     """
 
     def __init__(
@@ -183,7 +176,6 @@ class ResidentExperts:
         device: torch.device,
         budget_bytes: int,
         native: bool = False,
-        packed: bool = False,
         act: str | None = "silu",
     ) -> None:
         self.files = files
@@ -198,7 +190,6 @@ class ResidentExperts:
             native and act is not None and device.type == "cpu" and dtype == torch.float32
         )
         self._act = act
-        self._packed = packed
         self._stored: dict[tuple[int, int], StoredExpert | None] = {}
 
     def stored(self, layer: int, expert: int) -> StoredExpert | None:
@@ -214,7 +205,7 @@ class ResidentExperts:
             ok = native.available() and native.mlp_types(kinds, self._act) is not None
             parts = tuple((self.files.bytes_of(p), p.qtype, tuple(p.shape)) for p in ref.parts)
             deq = lambda: self.get(layer, expert)  # noqa: E731
-            self._stored[key] = StoredExpert(parts, deq, self._act, self._packed) if ok else None
+            self._stored[key] = StoredExpert(parts, deq, self._act) if ok else None
         return self._stored[key]
 
     @property

@@ -8,6 +8,7 @@ import torch
 
 from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine
+from backend.kernels import native
 from backend.messages import Finished, Submit
 from backend.models.loader import LoadedModel
 from backend.policies import POLICIES
@@ -30,25 +31,27 @@ STEPS = 6
 # Every policy, bevy-static with groups of 3.
 ALL_POLICIES = [p.replace(":K", ":3") for p in POLICIES]
 
-# The logits' bound against plain generation. Where every expert has a slot, the native
-# backend packs Q4_0 / Q4_1 experts, and its packed kernels read each expert's input and
-# inner activation rounded to 8 bits per block of 32, as ggml's CPU kernels do: those
-# runs are held to plain generation with the same rounding (``references(rounded=True)``)
-# within ``ROUNDED_BOUND``, as a value within float error of a rounding edge may round
-# the other way in one and not the other (a step of 1/127 of its block's largest).
+# The logits' bound against plain generation. The native backend's kernels multiply
+# Q4_0 / Q4_1 experts in integers, reading each expert's input and inner activation
+# rounded to 8 bits per block of 32, as ggml's CPU kernels do: those runs are held to
+# plain generation with the same rounding (``references(rounded=True)``) within
+# ``ROUNDED_BOUND``, as a value within float error of a rounding edge may round the
+# other way in one and not the other (a step of 1/127 of its block's largest).
 LOGITS_BOUND = 1e-4
 ROUNDED_BOUND = 1e-2
 
 
-def packed_experts(eng: Engine) -> bool:
-    """Whether ``eng``'s backend packed any expert (and so rounded its inputs)."""
-    packed = getattr(eng.jobs.experts, "_packed", {})
-    return any(any(parts) for _, parts in packed.values())
+def rounds_inputs(eng: Engine) -> bool:
+    """Whether ``eng``'s expert products read their inputs rounded to 8 bits: the native
+    backend on Q4_0 / Q4_1 experts, packed or not."""
+    return eng.expert_backend == "native" and any(
+        p.qtype in native.ROUNDING for layer in eng.model.experts for ex in layer for p in ex.parts
+    )
 
 
 def references(model: LoadedModel, rounded: bool = False) -> list[tuple[list[int], torch.Tensor]]:
     """Each of ``PROMPTS`` alone through plain greedy generation (``rounded``: with the
-    packed kernels' rounding): (its ``STEPS`` tokens, their logits)."""
+    native kernels' rounding of Q4 experts' inputs): (its ``STEPS`` tokens, their logits)."""
     refs = []
     for p in PROMPTS:
         ids, logits = greedy_logits(model, p, STEPS - 1, rounded=rounded)
@@ -56,10 +59,11 @@ def references(model: LoadedModel, rounded: bool = False) -> list[tuple[list[int
     return refs
 
 
-def expected_refs(refs: dict, name: str, packed: bool) -> tuple[list, float]:
+def expected_refs(refs: dict, name: str, rounded: bool) -> tuple[list, float]:
     """Model ``name``'s references in ``refs`` (rounded ones under ``name + ":rounded"``)
-    that a run must match, and the bound on its logits: see ``ROUNDED_BOUND``."""
-    return (refs[f"{name}:rounded"], ROUNDED_BOUND) if packed else (refs[name], LOGITS_BOUND)
+    that a run must match (``rounded``: one that ``rounds_inputs``), and the bound on
+    its logits: see ``ROUNDED_BOUND``."""
+    return (refs[f"{name}:rounded"], ROUNDED_BOUND) if rounded else (refs[name], LOGITS_BOUND)
 
 
 def drain(eng: Engine) -> list:
@@ -97,17 +101,17 @@ def run_clean(model: LoadedModel, config: EngineConfig, **policy) -> tuple[dict,
     return finished, eng.logits_log
 
 
-def assert_same_results(a: tuple[dict, dict], b: tuple[dict, dict], packed: bool = False) -> None:
+def assert_same_results(a: tuple[dict, dict], b: tuple[dict, dict], rounded: bool = False) -> None:
     """Two ``run_clean`` results: the same tokens, logits within 1e-5 (groups form by
-    fetch timing, and the tiny models' dense BLAS path rounds by batch shape). With
-    ``packed`` experts, within ``ROUNDED_BOUND``: a last-bit difference from that BLAS
-    path can move an expert input across a rounding edge (the demo's and other GGUF
-    models' dense products are the row-independent native kernels)."""
+    fetch timing, and the tiny models' dense BLAS path rounds by batch shape). Where the
+    experts' inputs are ``rounded``, within ``ROUNDED_BOUND``: a last-bit difference
+    from that BLAS path can move an expert input across a rounding edge (the demo's and
+    other GGUF models' dense products are the row-independent native kernels)."""
     (fin, logs), (fin0, logs0) = a, b
     for rid, f in fin.items():
         assert f.token_ids == fin0[rid].token_ids, rid
         ours, theirs = torch.stack(logs[rid]), torch.stack(logs0[rid])
-        assert (ours - theirs).abs().max().item() <= (ROUNDED_BOUND if packed else 1e-5), rid
+        assert (ours - theirs).abs().max().item() <= (ROUNDED_BOUND if rounded else 1e-5), rid
 
 
 def plain_references(model: LoadedModel) -> list[tuple[list[int], torch.Tensor]]:
@@ -143,7 +147,7 @@ def check_policy_against_plain(
     eng = Engine(model, config)
     try:
         finished = run_staggered(eng)
-        assert not packed_experts(eng)  # (the rounded references are not made here)
+        assert not rounds_inputs(eng)  # (the rounded references are not made here)
         assert_matches_references(finished, eng.logits_log, refs)
         assert sum(eng.cache.refs) == 0
     finally:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from backend.kernels.quants import QType, block_shape
+from backend.kernels.quants import QType, block_shape, dequantize
 
 HIDDEN, INNER = 64, 96
 
@@ -33,6 +34,25 @@ def rounded_8bit(x: torch.Tensor) -> torch.Tensor:
     amax = b.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(b * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+# The block types whose native expert products read their input rounded to 8 bits
+# (``x8_round``), packed or as stored.
+ROUNDING = (QType.Q4_0, QType.Q4_1)
+
+
+def expert_reference(parts: tuple, x: torch.Tensor, rounded: bool = True) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for ``parts`` ((raw, qtype, shape) of gate, up, down)
+    dequantized, in torch; with ``rounded``, each Q4_0 / Q4_1 part's input rounded as the
+    native kernels read it (``rounded_8bit``)."""
+    (g, gq, gs), (u, uq, us), (d, dq, ds) = parts
+
+    def read(t: torch.Tensor, q: QType) -> torch.Tensor:
+        return rounded_8bit(t) if rounded and q in ROUNDING else t
+
+    h = F.silu(F.linear(read(x, gq), dequantize(g, gq, gs)))
+    h = h * F.linear(read(x, uq), dequantize(u, uq, us))
+    return F.linear(read(h, dq), dequantize(d, dq, ds))
 
 
 def random_expert(qtypes: tuple[QType, QType, QType], seed: int = 0) -> tuple:

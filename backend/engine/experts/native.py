@@ -2,20 +2,20 @@
 
 A run's experts go to the kernels in one call (``native.moe``), riders' products and
 prompts' sums so far included, with no Python or torch op per expert. A run the
-whole-layer kernel does not take (a prompt after a one-token rider, an unpacked expert
-with more rows than ``NATIVE_MAX_ROWS``) goes expert by expert: the kernel for a few
-rows, dequantize-then-matmul (``EagerExperts``) for more, where BLAS is the faster
-product. Both give the bits of each expert alone on its rows, scaled and added in
-expert order.
+whole-layer kernel does not take (a prompt after a one-token rider, an expert of other
+block types than Q4_0 / Q4_1 with more rows than ``NATIVE_MAX_ROWS``) goes expert by
+expert: the kernel for a few rows, dequantize-then-matmul (``EagerExperts``) for more,
+where BLAS is the faster product. Both give the bits of each expert alone on its rows,
+scaled and added in expert order.
 
-Where the cache has a slot for every expert (the model in memory), Q4_0 / Q4_1 weights
-are packed in their slot as the slot becomes ready (``native.pack``: 16 rows to a group,
-for a kernel that multiplies 8-bit integers, its input rounded to 8 bits per block of 32
-as llama.cpp's CPU kernels round theirs) and stay packed. Every product of an expert
-then goes through the same kernel, however many rows it has, so its bits do not depend
-on the policy or the batch.
-With fewer slots an expert is mostly fetched for one or two uses, and packing it cost
-more than those uses saved (docs/performance.md): it stays as stored.
+Q4_0 / Q4_1 weights are multiplied in 8-bit integers, their input rounded to 8 bits per
+block of 32 as llama.cpp's CPU kernels round theirs, by the same kernel however many
+rows they have, so an expert's bits do not depend on the policy or the batch. Where the
+cache has a slot for every expert (the model in memory), they are packed in their slot
+as the slot becomes ready (``native.pack``: 16 rows to a group, for a faster kernel
+that gives the same bits) and stay packed. With fewer slots an expert is mostly fetched
+for one or two uses, and packing it cost more than those uses saved
+(docs/performance.md): it stays as stored.
 """
 
 from __future__ import annotations
@@ -113,10 +113,12 @@ class NativeExperts(EagerExperts):
 
     def _too_many(self, key: tuple[int, int], rows: int) -> bool:
         """Whether ``rows`` of expert ``key`` go to dequantize-then-matmul: past
-        ``NATIVE_MAX_ROWS``, unless the expert is packed, whose integer kernel beats BLAS
-        at every row count measured (docs/performance.md) and keeps every product of the
-        expert the same arithmetic, prompts' included."""
-        return rows > NATIVE_MAX_ROWS and not any(self._parts_packed(key))
+        ``NATIVE_MAX_ROWS``, unless a part reads its input rounded (``native.any_rows``),
+        whose kernel keeps every product of the expert the same arithmetic, prompts'
+        included, and beats BLAS at every row count measured (docs/performance.md)."""
+        return rows > NATIVE_MAX_ROWS and not native.any_rows(
+            p.qtype for p in self.experts[key[0]][key[1]].parts
+        )
 
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if self._too_many((layer, e), x.shape[0]):

