@@ -88,7 +88,7 @@ def test_deb_builds_installs_runs_and_removes_cleanly(tmp_path):
             "0",
             "--max-tokens",
             "24",
-            "What is the capital of France?",
+            "Name the capital of France.",  # (see tests/backend/demo/test_demo.py)
             env=user_env(home),
             timeout=900,
         )
