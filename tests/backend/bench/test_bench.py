@@ -121,3 +121,39 @@ def test_cli_commands_freeze_what_they_load(chat_model: Path) -> None:
     assert done.returncode == 0, done.stderr
     frozen, tracked = map(int, done.stdout.split())
     assert frozen > 50_000 and tracked < frozen // 20
+
+
+@pytest.mark.parametrize("backend", ["native", "eager"])
+def test_each_expert_backend_is_held_to_a_reference_that_multiplies_as_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """On Q4 experts the native kernels read their inputs rounded to 8 bits and the other
+    backends multiply in float: each run is exact against plain generation multiplying
+    as it does (a float reference made only for a backend that needs one). The prompts
+    are token ids given here (this GGUF has no tokenizer)."""
+    from gguf import GGMLQuantizationType as QType
+
+    from backend.bench import runner
+    from backend.kernels import native
+    from backend.models.gguf_export import write_gguf
+    from tests.helpers.engine_runs import PROMPTS
+    from tests.helpers.tiny import make_tiny
+
+    if backend == "native" and not native.available():
+        pytest.skip("no native Q4 kernels here (x86-64 with AVX2 and a C compiler)")
+    model = load_model(
+        write_gguf(
+            load_model(make_tiny("mixtral", tmp_path / "m")), tmp_path / "q.gguf", QType.Q4_1
+        )
+    )
+    monkeypatch.setattr(runner, "prompts_for", lambda model, workload, n: PROMPTS[:n])
+    plan = BenchPlan(
+        policies=("bevy", "sync"), workloads=("chat",), requests=(4,), caches=(0.3,), tokens=6,
+        expert_backend=backend,
+    )  # fmt: skip
+    log: list[str] = []
+    records = run_bench(model, plan, log=log.append)
+    assert [r["expert_backend"] for r in records] == [backend] * 2
+    assert all(r["tokens_identical_to_reference"] is True for r in records)
+    floats = [m for m in log if "dequantized" in m]
+    assert len(floats) == (backend != "native")
