@@ -10,12 +10,11 @@ scaled and added in expert order.
 
 Q4_0 / Q4_1 weights are multiplied in 8-bit integers, their input rounded to 8 bits per
 block of 32 as llama.cpp's CPU kernels round theirs, by the same kernel however many
-rows they have, so an expert's bits do not depend on the policy or the batch. Where the
-cache has a slot for every expert (the model in memory), they are packed in their slot
-as the slot becomes ready (``native.pack``: 16 rows to a group, for a faster kernel
-that gives the same bits) and stay packed. With fewer slots an expert is mostly fetched
-for one or two uses, and packing it cost more than those uses saved
-(docs/performance.md): it stays as stored.
+rows they have, so an expert's bits do not depend on the policy or the batch. They are
+packed in their slot as the slot becomes ready (``native.pack``: 16 rows to a group, for
+a kernel about twice as fast that gives the same bits) and stay packed until the slot
+is filled again: at every cache size measured the uses of a fill repaid its packing
+(docs/performance.md, "Q4 experts packed as their slot fills").
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ class NativeExperts(EagerExperts):
         # Resident experts packed in their slots: the fill (slot, generation) they were
         # packed in (a slot is packed once per fill) and which of gate, up, down packed.
         self._packed: dict[tuple[int, int], tuple[tuple[int, int], tuple[bool, ...]]] = {}
-        self.packs = self.cache.n_slots >= sum(len(layer) for layer in self.experts)
         self.cache.on_ready, self.cache.on_gone = self._resident, self._gone
         for key, slot in self.cache.slot_of.items():
             if self.cache.ready[slot]:
@@ -64,7 +62,7 @@ class NativeExperts(EagerExperts):
             self._gone(key)
             return
         fill = (slot, self.cache.generation[slot])
-        if self.packs and self._packed.get(key, (None,))[0] != fill:
+        if self._packed.get(key, (None,))[0] != fill:
             stored = self.slots[slot]
             self._packed[key] = (
                 fill,

@@ -1,7 +1,7 @@
-"""Where every expert has a slot, the native backend packs Q4 experts in their slots
-(``native.pack``) as they become resident, and every path that reads a slot reads it as
-packed: the whole-layer kernel, the per-expert kernel, the decoding walk. With fewer
-slots they stay as stored, multiplied to the same bits."""
+"""The native backend packs Q4 experts in their slots (``native.pack``) as they become
+resident, again at each fill, and every path that reads a slot reads it as packed: the
+whole-layer kernel, the per-expert kernel, the decoding walk; to the bits of the blocks
+as stored."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_packed_slots_match_plain_generation(models, references, monkeypatch, ca
     1, no prompt row of theirs is dequantized), and packed and as stored give the same
     bits: plain generation with the experts as stored, every prompt in one batch
     (``bevy bench``'s reference), has the run's tokens either way. ``min``: slots are
-    given up and filled again, and nothing is packed."""
+    given up and filled again, each fill packed again."""
     # (the package's ``native`` attribute is the kernels module: import the submodule)
     backend_module = importlib.import_module("backend.engine.experts.native")
     monkeypatch.setattr(backend_module, "NATIVE_MAX_ROWS", max_rows)
@@ -54,11 +54,14 @@ def test_packed_slots_match_plain_generation(models, references, monkeypatch, ca
         backend = eng.jobs.experts
         resident = [k for k, s in eng.cache.slot_of.items() if eng.cache.ready[s]]
         if cache == "min":
-            assert eng.cache.stats.evictions > 0 and not backend.packs
-            assert not any(any(p) for _, p in backend._packed.values())
-            return
-        assert backend.packs and len(resident) == sum(len(layer) for layer in model.experts)
-        assert all(backend._packed[k][1] == (True, True, True) for k in resident)
+            assert eng.cache.stats.evictions > 0
+        else:
+            assert len(resident) == sum(len(layer) for layer in model.experts)
+        # every resident expert packed in its slot's current fill, and only those
+        assert set(backend._packed) == set(resident)
+        for k in resident:
+            slot = eng.cache.slot_of[k]
+            assert backend._packed[k] == ((slot, eng.cache.generation[slot]), (True,) * 3)
         for layer, e in resident:  # the walk's table names the packed codes
             types = backend.table[4 * (layer * backend.n_table_experts + e) + 3]
             assert {(types >> s) & 15 for s in (0, 4, 8)} <= set(native.PACKED_CODES.values())
