@@ -13,7 +13,7 @@ Either must export every function ``backend.kernels.native`` binds.
 
 ``--packed`` compares this tree's kernels on the experts as stored against the same experts
 packed 16 rows to a group (``native.pack``, what the engine's native backend does to each
-Q4_0/Q4_1 expert in its slot where every expert has one), checking that the two give the
+Q4_0/Q4_1 expert in its slot as the slot fills), checking that the two give the
 same bits (both read x rounded to 8 bits per block of 32, as ggml's CPU kernels do);
 with ``--decode``, the engine with and without packing.
 

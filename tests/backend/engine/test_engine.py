@@ -408,8 +408,8 @@ def test_every_expert_backend_that_runs_here_matches_plain_generation(
 ) -> None:
     """Each expert backend the engine can choose, asked for by name on Q4 experts in
     stored slots, prompts whole and in 3-row slices: plain generation's tokens, logits
-    within 1e-4 (the native kernels': see ``ROUNDED_BOUND``), no pins left, and the
-    backend reported in the metrics. One that cannot
+    within 1e-4 (the native kernels' against their rounding, within ``ROUNDED_BOUND``),
+    no pins left, and the backend reported in the metrics. One that cannot
     run here is refused with the reason."""
     from backend.engine.experts import why_not
 
