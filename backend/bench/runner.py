@@ -230,8 +230,8 @@ def run_bench(
                 rec = run_once(model, policy, prompts[(w, n)], c, plan, t)
                 # On the CPU the reference multiplies as the native backend does (its Q4
                 # experts' inputs rounded to 8 bits); the other backends multiply in float.
-                native = rec["expert_backend"] == "native" or model.transformer.device.type != "cpu"
-                key = (w, n) if native else (w, n, "float")
+                as_ref = rec["expert_backend"] == "native" or model.transformer.device.type != "cpu"
+                key = (w, n) if as_ref else (w, n, "float")
                 if key not in references:
                     log("reference: the same, the experts dequantized, as that backend ...")
                     dequantized = model.resident_experts().for_compute

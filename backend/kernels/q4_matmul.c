@@ -347,14 +347,6 @@ static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, con
 #define Q40P(M) q4p_cols(w, 0, x8, M, k, y, ldy, n0, n1)
 #define Q41P(M) q4p_cols(w, 1, x8, M, k, y, ldy, n0, n1)
 
-static __attribute__((noinline)) void q4p_any(const uint8_t *w, int q4_1, const x8_t x8, int m,
-                                              int k, float *y, int ldy, int n0, int n1) {
-    if (q4_1)
-        WITH_M(Q41P)
-    else
-        WITH_M(Q40P)
-}
-
 /* Q4_0 / Q4_1 blocks as stored times x rounded to 8 bits (x8_t): the packed kernels'
    products bit for bit, without packing (an expert as its slot or file holds it), so an
    expert's results do not depend on whether it was packed. Eight weight rows at a time,
@@ -448,12 +440,17 @@ static inline __attribute__((always_inline)) void q4x_cols(const uint8_t *w, con
 #define Q40X(M) q4x_cols(w, 0, x8, M, k, y, ldy, n0, n1)
 #define Q41X(M) q4x_cols(w, 1, x8, M, k, y, ldy, n0, n1)
 
-static __attribute__((noinline)) void q4x_any(const uint8_t *w, int q4_1, const x8_t x8, int m,
-                                              int k, float *y, int ldy, int n0, int n1) {
-    if (q4_1)
-        WITH_M(Q41X)
-    else
+/* The kernels that read x rounded (reads_x8), by their type code, each with m constant. */
+static __attribute__((noinline)) void x8_any(const uint8_t *w, int type, const x8_t x8, int m,
+                                             int k, float *y, int ldy, int n0, int n1) {
+    if (type == T_Q40_PACKED)
+        WITH_M(Q40P)
+    else if (type == T_Q41_PACKED)
+        WITH_M(Q41P)
+    else if (type == T_Q40_X8)
         WITH_M(Q40X)
+    else
+        WITH_M(Q41X)
 }
 
 /* Sub-block j's 6-bit scale and min of a Q4_K super-block's 12 packed bytes s (ggml's
@@ -828,12 +825,8 @@ static __attribute__((noinline)) void qk_any(const uint8_t *w, int five, const f
    T_Q40_X8 and T_Q41_X8: Q4_0 / Q4_1 as stored, read as the packed ones are. */
 static void q4_cols(const uint8_t *w, int type, const float *x, const float *xsum, const x8_t x8,
                     int m, int k, float *y, int ldy, int n0, int n1) {
-    if (is_packed(type)) {
-        q4p_any(w, type == T_Q41_PACKED, x8, m, k, y, ldy, n0, n1);
-        return;
-    }
-    if (type == T_Q40_X8 || type == T_Q41_X8) {
-        q4x_any(w, type == T_Q41_X8, x8, m, k, y, ldy, n0, n1);
+    if (reads_x8(type)) {
+        x8_any(w, type, x8, m, k, y, ldy, n0, n1);
         return;
     }
     if (type == 8)
