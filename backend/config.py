@@ -134,12 +134,15 @@ def parse_size(spec: str | int, whole: int | None = None) -> int:
 class MemoryPlan:
     """What the engine holds for a model under the user's budget: cache slots, the KV
     budget admission keeps to, and the total it was planned within (0: no total, an
-    explicit ``--cache``). ``note`` says which, for logs and the status bar."""
+    explicit ``--cache``). ``note`` says which, for logs and the status bar. Within a
+    total, KV room that no running request holds may hold cache slots meanwhile
+    (``shared``), given back as requests need it."""
 
     slots: int
     kv_bytes: int
     total_bytes: int
     note: str
+    shared: bool = False
 
 
 def system_memory() -> tuple[int, int]:
@@ -211,7 +214,8 @@ def plan_memory(
     ``memory`` total, or with "auto" what is free less a headroom, is shared: the held
     part and the scratch first, then the KV (its own budget if given, else a quarter of
     what is left, between 64 MiB and 2 GiB) and the cache the rest, every expert if
-    they fit; KV then takes what the cache leaves, up to its cap."""
+    they fit; KV then takes what the cache leaves, up to its cap. There the KV room
+    no request holds may lend the cache slots (``MemoryPlan.shared``)."""
     kv_cap = (config.kv_budget_mib << 20) if config.kv_budget_mib else _KV_DEFAULT
     if config.cache != AUTO:
         slots = min(parse_cache_size(config.cache, n_experts, slot_bytes), n_experts)
@@ -242,13 +246,15 @@ def plan_memory(
             need,
             f"memory is short ({why}; KV {_gib(kv)}): the smallest cache, {slots} "
             "experts; close other programs or give --memory for more",
+            shared=True,
         )
     if not config.kv_budget_mib:
         kv = min(kv_cap, room - slots * slot_bytes)
     share = (
         "every expert" if slots == n_experts else f"{100 * slots / n_experts:.0f} % of the experts"
     )
-    return MemoryPlan(slots, kv, total, f"cache auto: {share}, {_gib(slots * slot_bytes)} ({why})")
+    note = f"cache auto: {share}, {_gib(slots * slot_bytes)} ({why})"
+    return MemoryPlan(slots, kv, total, note, shared=True)
 
 
 def _env_on(name: str) -> bool:

@@ -49,21 +49,26 @@ class CacheStats:
 
 
 class ExpertCache:
-    def __init__(self, n_slots: int, policy: str = "lru") -> None:
+    """``n_slots`` entries, in as many slots, and ``spare`` slots more that ``resize`` may
+    lend it while the memory is not wanted elsewhere (KV room no request holds)."""
+
+    def __init__(self, n_slots: int, policy: str = "lru", spare: int = 0) -> None:
         if n_slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {n_slots}")
         if policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}, got {policy!r}"
             )
-        self.n_slots = n_slots
+        self.n_slots = n_slots  # entries it may hold now (``resize``)
+        self.n_alloc = n = n_slots + spare  # slots the owner allocated
         self.policy = policy
         self.slot_of: dict[Key, int] = {}
-        self.key_of: list[Key | None] = [None] * n_slots
-        self.refs = [0] * n_slots
-        self.ready = [False] * n_slots
-        self.generation = [0] * n_slots  # bumped whenever a slot gets new contents
-        self.free = list(range(n_slots - 1, -1, -1))
+        self.key_of: list[Key | None] = [None] * n
+        self.refs = [0] * n
+        self.ready = [False] * n
+        self.generation = [0] * n  # bumped whenever a slot gets new contents
+        self.free = list(range(n - 1, -1, -1))  # last out first: a refilled slot is reused
+        self._filled = [False] * n  # free slots whose memory still holds an old fill
         self.stats = CacheStats()
         self._uses: dict[Key, int] = {}
         self._tick = 0
@@ -111,7 +116,7 @@ class ExpertCache:
     @property
     def n_reservable(self) -> int:
         """Slots a new fetch could take now (free or evictable)."""
-        return len(self.free) + len(self._lru)
+        return max(0, self.n_slots - len(self.slot_of)) + len(self._lru)
 
     def n_evictable(self, keys: list[Key]) -> int:
         """How many of ``keys`` are cached, unpinned and ready (so would be pinned by a claim)."""
@@ -203,27 +208,56 @@ class ExpertCache:
         """Give an absent ``key`` a slot (evicting if needed) and pin it; None if all are pinned."""
         if key in self.slot_of:
             raise RuntimeError(f"{key} is already cached or loading")
-        if self.free:
+        if len(self.slot_of) < self.n_slots:
             slot = self.free.pop()
         else:
-            victim = self._victim()
-            if victim is None:
+            slot = self._evict()
+            if slot is None:
                 return None
-            slot = self.slot_of.pop(victim)
-            self.stats.evictions += 1
-            if self.on_gone is not None:
-                self.on_gone(victim)
-            if victim in self.guessed:
-                self.guessed.discard(victim)
-                self.stats.prefetch_wasted += 1
         self.slot_of[key] = slot
         self.key_of[slot] = key
         self.generation[slot] += 1
         self.ready[slot] = False
         self.refs[slot] = 1
+        self._filled[slot] = True
         self.stats.fetches += 1
         self.n_loading += 1
         return slot
+
+    def _evict(self) -> int | None:
+        """Take the eviction order's first entry out; its slot, or None if none can go."""
+        victim = self._victim()
+        if victim is None:
+            return None
+        slot = self.slot_of.pop(victim)
+        self.key_of[slot] = None
+        self.stats.evictions += 1
+        if self.on_gone is not None:
+            self.on_gone(victim)
+        if victim in self.guessed:
+            self.guessed.discard(victim)
+            self.stats.prefetch_wasted += 1
+        return slot
+
+    def resize(self, n: int) -> list[int] | None:
+        """Hold at most ``n`` entries from now (within the slots allocated). Shrinking
+        evicts in the eviction order; None, changing nothing, where more than ``n`` are
+        pinned or loading. Returns the free slots whose memory still holds an old fill,
+        for the owner to give back to the system: the slots that hold anything are then
+        no more than the cache's entries."""
+        n = min(n, self.n_alloc)
+        if n < 1 or len(self.slot_of) - len(self._lru) > n:
+            return None
+        while len(self.slot_of) > n:
+            slot = self._evict()
+            assert slot is not None  # enough are evictable: checked above
+            self.ready[slot] = False
+            self.free.append(slot)
+        self.n_slots = n
+        released = [s for s in self.free if self._filled[s]]
+        for s in released:
+            self._filled[s] = False
+        return released
 
     def mark_prefetched(self, key: Key) -> None:
         """``key`` was just reserved on a guess: track whether a job ever claims it."""

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,7 +35,7 @@ from backend.engine.cache import Claims, ExpertCache
 from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.jobs import JobRunner
-from backend.engine.memory import rss_bytes
+from backend.engine.memory import release_pages, rss_bytes
 from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, progress, prompt_part, riders, split
@@ -199,17 +199,33 @@ class Engine:
                 f"a cache of {n_slots} slots{held} is below the legal minimum of "
                 f"{model.config.top_k} (one token's experts)"
             )
-        self.cache = ExpertCache(n_slots, config.eviction)
+        # Within a total budget the KV room no running request holds lends the cache
+        # slots, taken back as requests are admitted (``_fit_cache``): short chats leave
+        # most of it empty. Where pages can be given back one slot at a time (a CPU on
+        # Linux): a GPU allocation holds all its bytes at once.
+        spare = 0
+        if self.memory_plan.shared and device.type == "cpu" and sys.platform == "linux":
+            spare = max(0, min(n_experts - n_slots, self.kv_budget_bytes // slot_bytes))
+        if spare:
+            self.memory_plan = replace(
+                self.memory_plan,
+                note=f"{self.memory_plan.note}; up to {spare} experts more while "
+                "requests leave KV room free",
+            )
+        self._base_slots = n_slots
+        n_alloc = n_slots + spare
+        self.cache = ExpertCache(n_slots, config.eviction, spare=spare)
         self.claims = Claims(self.cache)
         if fmt == "decoded":
-            self.slots = torch.empty((n_slots, decoded_numel), dtype=dtype, device=device)
+            self.slots = torch.empty((n_alloc, decoded_numel), dtype=dtype, device=device)
         elif device.type == "cuda":
             self.slots = torch.empty(
-                (n_slots, self.store.slot_bytes), dtype=torch.uint8, device=device
+                (n_alloc, self.store.slot_bytes), dtype=torch.uint8, device=device
             )
         else:
-            self.slots = self.store.alloc_slots(n_slots)
+            self.slots = self.store.alloc_slots(n_alloc)
         self.slot_bytes = slot_bytes
+        self._fit_cache(0)
         self.layouts: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._warm_up_decoders()
         self.telemetry = Telemetry()
@@ -508,6 +524,25 @@ class Engine:
         """What admission counts for ``r``."""
         return self._kv_bytes(self._kv_tokens(r))
 
+    def _kv_held(self) -> int:
+        """KV bytes admission counts for the running requests."""
+        return sum(self._kv_need(r) for r in self.running)
+
+    def _fit_cache(self, kv: int) -> bool:
+        """Size the cache to its planned slots and those the KV room beyond ``kv`` bytes
+        lends it, giving back the memory of slots it leaves; False, changing nothing,
+        where the entries it would have to drop are in use (admission waits for them)."""
+        cache = self.cache
+        n = self._base_slots + max(0, self.kv_budget_bytes - kv) // self.slot_bytes
+        if min(n, cache.n_alloc) == cache.n_slots:
+            return True
+        released = cache.resize(n)
+        if released is None:
+            return False
+        for slot in released:
+            release_pages(self.slots[slot])
+        return True
+
     def _admit(self) -> None:
         if not self.waiting:
             return
@@ -515,12 +550,12 @@ class Engine:
         if self.policy.lockstep and any(r.layer != 0 or r.done for r in self.running):
             return
         budget = self.kv_budget_bytes
-        used = sum(self._kv_need(r) for r in self.running)
+        used = self._kv_held()
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.config.max_active:
             r = self.waiting[0]
             need = self._kv_need(r)
-            if used + need > budget:
+            if used + need > budget or not self._fit_cache(used + need):
                 break
             used += need
             self.waiting.popleft()
@@ -841,6 +876,7 @@ class Engine:
         )
         r.staged, r.emb = [], None
         self._ids.discard(r.id)
+        self._fit_cache(self._kv_held())
         if self.idle:
             # The last request out: its tokens are in the snapshot that pollers
             # (/v1/stats, the panels) hold before its end reaches the client.

@@ -3,11 +3,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import os
 import resource
 import sys
 
+import torch
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
 def rss_bytes() -> int:
@@ -19,3 +25,24 @@ def rss_bytes() -> int:
     except (OSError, ValueError, IndexError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
+
+
+def release_pages(t: torch.Tensor) -> bool:
+    """Give the whole pages of CPU tensor ``t``'s bytes back to the system (Linux: they
+    read as zeros if touched again); the pages it shares with a neighbour stay. False
+    where the platform cannot do it now."""
+    if sys.platform != "linux" or t.device.type != "cpu":
+        return False
+    start = -(-t.data_ptr() // _PAGE) * _PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
+    if end <= start:
+        return True
+    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _DONTNEED) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc

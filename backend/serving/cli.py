@@ -93,7 +93,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="a total for the engine's process instead of --cache: runtime, dense weights, "
         "expert cache, KV and scratch together (4GiB, 60%% of the RAM; on CUDA, of the "
-        "GPU's memory)",
+        "GPU's memory); the cache borrows the KV room no request holds",
     )
     p.add_argument(
         "--kv-budget",

@@ -196,14 +196,15 @@ def test_invalid_configuration() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["use", "pin", "unpin", "move"]), st.integers(0, 7)),
+        st.tuples(st.sampled_from(["use", "pin", "unpin", "move", "resize"]), st.integers(0, 7)),
         max_size=200,
     ),
     st.sampled_from(["lru", "lfu", "reuse"]),
     st.integers(1, 5),
+    st.integers(0, 3),
 )
-def test_random_operations_keep_invariants(ops, policy: str, n_slots: int) -> None:
-    c = ExpertCache(n_slots, policy)
+def test_random_operations_keep_invariants(ops, policy: str, n_slots: int, spare: int) -> None:
+    c = ExpertCache(n_slots, policy, spare=spare)
     pins: dict[tuple[int, int], int] = {}
     for op, e in ops:
         k = (e % 3, e)
@@ -221,10 +222,51 @@ def test_random_operations_keep_invariants(ops, policy: str, n_slots: int) -> No
         elif op == "unpin" and pins.get(k):
             c.unpin(k)
             pins[k] -= 1
-        # Pinned keys are always still cached; slot count never changes.
+        elif op == "resize":
+            before, m = c.n_slots, 1 + e % (n_slots + spare + 1)  # one past those allocated
+            released = c.resize(m)
+            if released is None:  # too many pinned or loading to shrink that far
+                assert c.n_slots == before and len(c.slot_of) - len(c._lru) > m
+            else:
+                assert c.n_slots == min(m, n_slots + spare)
+                assert set(released) <= set(c.free)
+        # Pinned keys are always still cached; the slots allocated never change; the
+        # entries stay within what the cache may hold now.
         assert all(c.is_present(key) for key, n in pins.items() if n)
-        assert len(c.slot_of) + len(c.free) == n_slots
+        assert len(c.slot_of) + len(c.free) == n_slots + spare
+        assert len(c.slot_of) <= c.n_slots
         assert sum(c.refs) == sum(pins.values())
+        assert c.n_reservable == max(0, c.n_slots - len(c.slot_of)) + len(c._lru)
+
+
+def test_a_resized_cache_lends_slots_and_takes_them_back() -> None:
+    """Spare slots are lent by ``resize``; shrinking evicts in the eviction order (LFU
+    here), never a pinned entry, and names the slots whose memory may be given back."""
+    c = ExpertCache(2, "lfu", spare=2)
+    assert c.n_slots == 2 and c.n_alloc == 4
+    fill(c, [(0, 0), (0, 1)])  # slots 0 and 1
+    c.record_use((0, 2))
+    assert c.reserve((0, 2)) == 0  # full at 2: (0, 0) evicted, no spare slot taken
+    assert c.stats.evictions == 1
+    c.complete((0, 2))  # still pinned
+    assert c.resize(4) == []  # lent; nothing was filled in the spare slots
+    fill(c, [(0, 3), (0, 4)])  # slots 2 and 3, no eviction
+    assert c.stats.evictions == 1 and c.n_used == 4 and c.n_reservable == 3
+    for _ in range(3):
+        c.record_use((0, 3))
+        c.record_use((0, 4))
+    c.pin((0, 4))
+    # (0, 2) and (0, 4) are pinned: the cache cannot come down to one entry.
+    assert c.resize(1) is None and c.n_slots == 4 and c.n_used == 4
+    # Down to two: the least used of the others go, (0, 1) then (0, 3).
+    assert sorted(c.resize(2)) == [1, 2]
+    assert sorted(c.slot_of) == [(0, 2), (0, 4)] and c.stats.evictions == 3
+    assert c.n_reservable == 0  # both left are pinned
+    assert c.resize(2) == []  # each slot is given back once
+    c.unpin((0, 4))
+    assert c.resize(4) == []
+    c.record_use((0, 5))
+    assert c.reserve((0, 5)) == 2  # a slot lent again, the last given back
 
 
 def test_prefetch_accounting() -> None:

@@ -4,6 +4,7 @@ engine reports what it holds (slots, working set, KV, dense weights) against it.
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 
 import pytest
@@ -146,6 +147,86 @@ def test_a_memory_budget_sizes_cache_and_kv_from_what_the_process_holds(demo) ->
         assert snap.memory_budget_bytes == budget and snap.kv_budget_bytes == eng.kv_budget_bytes
     finally:
         eng.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="slots are lent where pages can be freed")
+def test_kv_room_no_request_holds_lends_the_cache_slots(demo, monkeypatch) -> None:
+    """Under a total budget the KV room no running request holds holds cache slots; each
+    admission takes its KV's worth back (evicting), each finish lends it again, and the
+    slots plus the KV admitted never pass the cache and KV budgets together. The tokens
+    are those of a cache that holds every expert."""
+    from backend.engine import loop
+    from backend.engine.memory import release_pages, rss_bytes
+
+    given_back = []  # the slots whose pages the engine gave back (and gives them back)
+    monkeypatch.setattr(loop, "release_pages", lambda t: given_back.append(t) or release_pages(t))
+    eng = Engine(demo, EngineConfig(memory=str(rss_bytes() + (400 << 20))))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [[(7 * j + i) % 400 + 1 for j in range(150 + 50 * i)] for i in range(3)]
+    try:
+        base, slot = eng.memory_plan.slots, eng.slot_bytes
+        lent = eng.kv_budget_bytes // slot
+        idle = base + lent
+        assert eng.memory_plan.shared and base < idle < demo.config.n_routed_experts
+        assert eng.cache.n_slots == eng.cache.n_alloc == idle
+        assert f"up to {lent} experts more while requests leave KV room free" in (
+            eng.memory_plan.note
+        )
+        # A first request fills the slots lent at idle; the next ones take them back.
+        eng.submit(Submit("first", params, prompt_ids=prompts[2]))
+        eng.run_until_idle(600)
+        assert eng.cache.n_used > base and not given_back
+        for i, ids in enumerate(prompts):
+            eng.submit(Submit(f"r{i}", params, prompt_ids=ids))
+        sizes = set()
+        while eng.has_work:
+            eng.step()
+            held = eng._kv_held()
+            sizes.add(eng.cache.n_slots)
+            assert eng.cache.n_slots == base + (eng.kv_budget_bytes - held) // slot
+            assert (
+                eng.memory()["slots_bytes"] + held <= eng.cache_budget_bytes + eng.kv_budget_bytes
+            )
+        assert min(sizes) < idle - 3 and eng.cache.n_slots == idle  # all lent again
+        assert eng.cache.stats.evictions > 0 and given_back
+        assert all(t.numel() == eng.slots.shape[1] for t in given_back)
+        shared = _outputs(eng)
+    finally:
+        eng.close()
+    full = Engine(demo, EngineConfig(cache="1.0"))
+    try:
+        full.submit(Submit("first", params, prompt_ids=prompts[2]))
+        for i, ids in enumerate(prompts):
+            full.submit(Submit(f"r{i}", params, prompt_ids=ids))
+        full.run_until_idle(600)
+        assert _outputs(full) == shared
+    finally:
+        full.close()
+
+
+def _outputs(eng: Engine) -> dict[str, tuple[int, ...]]:
+    out = {}
+    while not eng.events.empty():
+        e = eng.events.get()
+        if type(e).__name__ == "Finished":
+            out[e.request_id] = e.token_ids
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_DONTNEED) frees at once on Linux")
+def test_released_pages_leave_the_resident_set_and_their_neighbours_alone() -> None:
+    import torch
+
+    from backend.engine.memory import release_pages, rss_bytes
+
+    mib = 1 << 20
+    t = torch.ones(48 * mib, dtype=torch.uint8)
+    before = rss_bytes()
+    assert release_pages(t[8 * mib + 100 : 40 * mib - 100])
+    assert before - rss_bytes() >= 31 * mib
+    assert int(t[8 * mib + 4196 : 40 * mib - 4196].sum()) == 0  # whole pages read as zeros
+    # The partial pages at either end, and everything outside, keep their bytes.
+    assert bool(t[: 8 * mib + 100].eq(1).all()) and bool(t[40 * mib - 100 :].eq(1).all())
 
 
 def test_the_cuda_pool_cap_follows_the_newest_open_engine(monkeypatch) -> None:
