@@ -20,6 +20,7 @@ from pathlib import Path
 from backend.bench.workloads import load_workload
 from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine, short_switch_interval
+from backend.engine.memory import trim_heap
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, Submit, TokenEvent
 from backend.models.generate import chat_prompt_ids, greedy_reference
@@ -31,7 +32,8 @@ SLOT_NOTES = {
 }
 MEMORY_NOTE = (
     "peak MiB: the process's resident set at its highest during the run (the loaded model "
-    "and the runtime included; JSON also has peak_engine_mib, what the engine held)."
+    "and the runtime included, not what the reference or earlier runs read and freed; "
+    "JSON also has peak_engine_mib, what the engine held)."
 )
 RATE_NOTE = (
     "tok/s: decoding, from the moment every request has its first token; all tok/s: "
@@ -91,6 +93,10 @@ def run_once(
         expert_backend=plan.expert_backend,
         working_set_mib=plan.working_set_mib,
     )
+    # Each run's peak is its own: what the plain-generation reference or an earlier run
+    # read from the mapped file, and freed heap the C library keeps, leave the process.
+    model.files.release()
+    trim_heap()
     eng = Engine(model, cfg)
     short_switch_interval()  # as the engine thread runs in the app and `bevy serve`
     params = SamplingParams(temperature=0.0, max_tokens=plan.tokens, ignore_eos=True)

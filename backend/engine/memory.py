@@ -46,3 +46,16 @@ def _libc() -> ctypes.CDLL:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
     return libc
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free memory to the system (glibc ``malloc_trim``): freed blocks
+    below its mmap threshold (a long prompt's activations) otherwise stay resident. False
+    where the C library has no such call."""
+    try:
+        trim = _libc().malloc_trim
+    except AttributeError:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

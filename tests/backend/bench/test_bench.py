@@ -157,3 +157,22 @@ def test_each_expert_backend_is_held_to_a_reference_that_multiplies_as_it_does(
     assert all(r["tokens_identical_to_reference"] is True for r in records)
     floats = [m for m in log if "dequantized" in m]
     assert len(floats) == (backend != "native")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+def test_a_runs_peak_leaves_out_what_the_reference_read_and_freed() -> None:
+    """The plain-generation reference reads every expert of the demo through the mapped
+    file and frees its prompt's activations; a run's peak resident set must not count
+    either (it once showed 3.2 GB for an engine holding 0.5 GB)."""
+    from backend.bench.runner import prompts_for, run_once
+    from backend.demo.build import ensure_demo
+    from backend.engine.memory import rss_bytes
+    from backend.models.generate import greedy_reference
+
+    model = load_model(ensure_demo(quiet=True))
+    prompts = prompts_for(model, "chat", 8)
+    greedy_reference(model, prompts, 2)
+    after_reference = rss_bytes() / 2**20
+    rec = run_once(model, "bevy", prompts, 0.3, BenchPlan(tokens=2))
+    assert after_reference > 1500  # the experts' file pages, mapped
+    assert rec["peak_rss_mib"] < after_reference - 500
