@@ -54,7 +54,7 @@ def trim_heap() -> bool:
     where the C library has no such call."""
     try:
         trim = _libc().malloc_trim
-    except AttributeError:
+    except (AttributeError, OSError, TypeError):  # not glibc; no C library to open
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
