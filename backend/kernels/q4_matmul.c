@@ -349,11 +349,12 @@ static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, con
 
 /* Q4_0 / Q4_1 blocks as stored times x rounded to 8 bits (x8_t): the packed kernels'
    products bit for bit, without packing (an expert as its slot or file holds it), so an
-   expert's results do not depend on whether it was packed. Eight weight rows at a time,
-   one to a lane: each row's block widened once to its 32 nibbles in x's order (byte i's
-   low nibble is element i, its high one element i + 16), its integer dot with each row
-   of x summed across the vector (integers: exact), the eight rows' sums gathered into
-   one vector, then per lane the float operations of q4p_cols in the same order. */
+   expert's results do not depend on whether it was packed. With AVX-512, sixteen weight
+   rows at a time first (q4x_cols16); then (and with AVX2) eight at a time, one to a
+   lane: each row's block widened once to its 32 nibbles in x's order (byte i's low
+   nibble is element i, its high one element i + 16), its integer dot with each row of x
+   summed across the vector (integers: exact), the eight rows' sums gathered into one
+   vector, then per lane the float operations of q4p_cols in the same order. */
 static inline __m256i nibbles32(const uint8_t *q) {
     const __m128i v = _mm_loadu_si128((const __m128i *)q);
     const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
@@ -379,12 +380,98 @@ static inline __m256i lane_sums(const __m256i v[8]) {
                             _mm256_permute2x128_si256(a, c, 0x31));
 }
 
+#ifdef __AVX512F__
+/* Sixteen weight rows at a time on AVX-512, the packed kernel's vector of 16 rows from the
+   blocks as stored: vector i holds the quant bytes of rows i, i + 4, i + 8 and i + 12,
+   one to each 128-bit lane, whose four 32-bit sums after the integer dots (x's 32 bytes
+   as two 16-byte halves, the same in every lane) are that row's; adding each lane's four
+   across the four vectors (two rounds of unpack and add) leaves row r's sum in lane r.
+   The scales come in with one gather. Returns the first row left (fewer than 16). */
+static inline __attribute__((always_inline)) int q4x_cols16(const uint8_t *w, const int q4_1,
+                                                            const x8_t x8, const int m, int k,
+                                                            float *y, int ldy, int n0, int n1) {
+    const int nb = k / 32, bs = q4_1 ? 20 : 18, hs = q4_1 ? 4 : 2;
+    const size_t row = (size_t)nb * bs;
+    const __m512i low = _mm512_set1_epi8(15);
+#ifndef __AVX512VNNI__
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    int n = n0;
+    for (; n + 16 <= n1; n += 16) {
+        __m512 acc[ROWS];
+        for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+        const uint8_t *w0 = w + (size_t)n * row, *next = w0 + 16 * row;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = w0 + (size_t)b * bs, *q = blk + hs;
+            /* The next 16 rows (cols' reason), which follow these in memory: their bytes in
+               order, 16 * bs of them for each block of these (at most five cache lines) */
+            for (int j = 0; j < 5; j++)
+                _mm_prefetch((const char *)(next + ((size_t)b * 5 + j) * 64), _MM_HINT_T0);
+            __m512i lo[4], hi[4], head[4];
+            for (int i = 0; i < 4; i++) {
+#define ROWS4(P)                                                                             \
+    _mm512_inserti32x4(                                                                      \
+        _mm512_inserti32x4(                                                                  \
+            _mm512_inserti32x4(_mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((P) + (size_t)i * row))), \
+                               _mm_loadu_si128((const __m128i *)((P) + (size_t)(i + 4) * row)), 1), \
+            _mm_loadu_si128((const __m128i *)((P) + (size_t)(i + 8) * row)), 2),             \
+        _mm_loadu_si128((const __m128i *)((P) + (size_t)(i + 12) * row)), 3)
+                const __m512i v = ROWS4(q);
+                head[i] = ROWS4(blk);
+#undef ROWS4
+                lo[i] = _mm512_and_si512(v, low);
+                hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            /* each row's first four bytes (f16 d, then Q4_1's f16 m), lane by lane in row
+               order: the first 32 bits of each lane of head[0..3], interleaved */
+            const __m512i sc = _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(head[0], head[1]),
+                                                     _mm512_unpacklo_epi32(head[2], head[3]));
+            const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sc));
+            const __m512 mv = q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sc, 16)))
+                                   : _mm512_setzero_ps();
+            for (int r = 0; r < m; r++) {
+                const size_t rb = (size_t)r * nb + b;
+                const int8_t *xb = x8.q + (size_t)r * k + (size_t)b * 32;
+                const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)xb));
+                const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xb + 16)));
+                __m512i s[4];
+                for (int i = 0; i < 4; i++) {
+#ifdef __AVX512VNNI__
+                    s[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xl), hi[i], xh);
+#else
+                    /* 16-bit sums: 4 pairs of at most 15 * 127 each, no saturation */
+                    s[i] = _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo[i], xl),
+                                                              _mm512_maddubs_epi16(hi[i], xh)),
+                                             ones);
+#endif
+                }
+                const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]),
+                                                    _mm512_unpackhi_epi32(s[0], s[1]));
+                const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]),
+                                                    _mm512_unpackhi_epi32(s[2], s[3]));
+                __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+                if (!q4_1) t = _mm512_sub_epi32(t, _mm512_set1_epi32(8 * x8.sum[rb]));
+                const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(x8.d[rb]));
+                acc[r] = _mm512_fmadd_ps(dv, f, acc[r]);
+                if (q4_1) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x8.s[rb]), acc[r]);
+            }
+        }
+        for (int r = 0; r < m; r++) _mm512_storeu_ps(y + (size_t)r * ldy + n, acc[r]);
+    }
+    return n;
+}
+#endif
+
 static inline __attribute__((always_inline)) void q4x_cols(const uint8_t *w, const int q4_1,
                                                            const x8_t x8, const int m, int k,
                                                            float *y, int ldy, int n0, int n1) {
     const int nb = k / 32, bs = q4_1 ? 20 : 18, hs = q4_1 ? 4 : 2;
     const size_t row = (size_t)nb * bs;
+#ifdef __AVX512F__
+    int n = q4x_cols16(w, q4_1, x8, m, k, y, ldy, n0, n1);
+#else
     int n = n0;
+#endif
     for (; n + 8 <= n1; n += 8) {
         __m256 acc[ROWS];
         for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
@@ -902,9 +989,10 @@ static inline float gelu_tanh(float g) {
 }
 
 /* Rows of x from which a stored Q4_0 / Q4_1 expert part is multiplied from a packed copy
-   (pack_copy): the copy costs about a pass over the part's bytes, which the packed
-   kernel's speed repays past this (benchmarks/q4_kernels.py). */
-#define PACK_FROM_ROWS 32
+   (pack_copy): the copy costs a pass over the part's bytes and its pages' first touch,
+   which the packed kernel's speed repays from about here with AVX-512 and with AVX2
+   alike (benchmarks/q4_kernels.py --packed). */
+#define PACK_FROM_ROWS 128
 
 /* A packed copy (bevy_q4_pack) of stored Q4_0 / Q4_1 weight *w [n, k] (*type T_Q40_X8 or
    T_Q41_X8), the same products (q4x_cols gives the packed kernel's bits); *w and *type

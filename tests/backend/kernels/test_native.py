@@ -1,4 +1,4 @@
-"""The hand-written Q4 kernels: both instruction-set variants, the build cache, fallback."""
+"""The hand-written Q4 kernels: each instruction-set variant, the build cache, fallback."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from backend.kernels import native, qmatmul
 from backend.kernels.quants import QType, dequantize
+from tests.helpers.kernel_builds import VARIANTS, variant
 from tests.helpers.qblocks import (
     HIDDEN,
     INNER,
@@ -27,13 +28,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.fixture(scope="module", params=VARIANTS)
 def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """The library this machine uses, and one built without AVX-512 (the AVX2 code path,
-    which machines without AVX-512 run)."""
-    if request.param == "native":
-        return native.library()
-    return native.build(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
+    """Each build of the kernels that this machine can run (``kernel_builds.VARIANTS``)."""
+    return variant(request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
@@ -67,8 +65,9 @@ def test_every_row_count_and_leftover_column(lib, monkeypatch, qtype: QType):
         assert torch.equal(native.linear(raw, qtype, (n, HIDDEN), x[:rows]), alone[:rows])
 
 
-# 1-8 rows one pass each, 12 two; from 32 the parts are multiplied from packed copies
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 40])
+# 1-8 rows one pass each, 12 and 40 several; from 128 (PACK_FROM_ROWS) the parts are
+# multiplied from packed copies
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 40, 130])
 def test_expert_mlp_is_the_expert_on_inputs_rounded_to_8_bits(lib, monkeypatch, rows: int):
     """A Q4_0 / Q4_1 expert as stored is multiplied in integers, as the packed kernels
     multiply (and ggml's): its input and inner activation rounded to 8 bits per block of

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from backend.kernels import native
 from backend.kernels.quants import QType, dequantize
+from tests.helpers.kernel_builds import VARIANTS, variant
 from tests.helpers.qblocks import HIDDEN, INNER, random_blocks, random_expert, rounded_8bit
 
 pytestmark = pytest.mark.skipif(
@@ -15,12 +16,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.fixture(scope="module", params=VARIANTS)
 def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """The library this machine uses, and one built without AVX-512 (its own packed kernel)."""
-    if request.param == "native":
-        return native.library()
-    return native.build(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
+    """Each build of the kernels that this machine can run (``kernel_builds.VARIANTS``)."""
+    return variant(request.param, tmp_path_factory)
 
 
 def _packed(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> torch.Tensor:

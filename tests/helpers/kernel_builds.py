@@ -1,0 +1,32 @@
+"""The native kernels as each instruction-set variant compiles them, for the kernel tests."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from backend.kernels import native
+
+# The library this machine uses; one built without AVX-512 (the AVX2 code, which machines
+# without AVX-512 run); and on a CPU with AVX-512 VNNI one built without VNNI (the AVX-512
+# code's byte products in two steps, as Skylake-X and Cascade Lake without VNNI run it).
+VARIANTS = ("native", "avx2", "avx512-no-vnni")
+
+
+def _has_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return any(ln.startswith("flags") and " avx512_vnni" in ln for ln in f)
+    except OSError:
+        return False
+
+
+def variant(name: str, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    if name == "native":
+        return native.library()
+    if name == "avx2":
+        return native.build(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
+    if not _has_vnni():
+        pytest.skip("no AVX-512 VNNI here: the native build is the one without it")
+    return native.build(tmp_path_factory.mktemp("novnni"), extra_flags=("-mno-avx512vnni",))
