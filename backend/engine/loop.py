@@ -35,7 +35,7 @@ from backend.engine.cache import Claims, ExpertCache
 from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.jobs import JobRunner
-from backend.engine.memory import release_pages, rss_bytes
+from backend.engine.memory import release_pages, rss_bytes, trim_heap
 from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, progress, prompt_part, riders, split
@@ -276,6 +276,7 @@ class Engine:
         self._slice_s = self._other_s = 0.0
         self._contended = False
         self._stopped = False
+        self._trim_when_idle = False  # a request finished since the heap was last trimmed
         self._last_metrics = 0.0
         self._snapshot_at = 0.0  # the previous snapshot's time ("computing" since then)
         # Keys and values of the softmax attention layers; linear attention layers hold a
@@ -420,6 +421,12 @@ class Engine:
         ):
             self._run_split(part)
         elif block or self.running:
+            if self._trim_when_idle and self.idle:
+                # What finished requests freed (a long prompt's activations) stays in the C
+                # heap's free lists, resident, until trimmed: give it back while nothing
+                # waits on this thread.
+                self._trim_when_idle = False
+                trim_heap()
             self._drain(block=True, timeout=0.05 if self.running else 0.2)
         self._maybe_metrics()
         return bool(group)
@@ -876,6 +883,7 @@ class Engine:
         )
         r.staged, r.emb = [], None
         self._ids.discard(r.id)
+        self._trim_when_idle = True
         self._fit_cache(self._kv_held())
         if self.idle:
             # The last request out: its tokens are in the snapshot that pollers

@@ -214,6 +214,32 @@ def _outputs(eng: Engine) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_DONTNEED) frees at once on Linux")
+def test_the_serving_loop_gives_the_heap_back_as_it_goes_idle(model, monkeypatch) -> None:
+    """What finished requests freed stays in the C heap until trimmed: the serving loop
+    (``step(block=True)``) trims it once the last request has left, never while one runs,
+    and not again until another finishes. The trim is spied on here; what it gives back
+    is measured in docs/performance.md."""
+    from backend.engine import loop
+
+    trims: list[int] = []
+    monkeypatch.setattr(loop, "trim_heap", lambda: trims.append(len(trims)) or True)
+    eng = _engine(model, cache="1.0")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        for n, rid in enumerate(("a", "b"), start=1):
+            eng.submit(Submit(rid, params, prompt_ids=[1, 2, 3, 4, 5]))
+            eng.step(block=True)  # takes the request in
+            while not eng.idle:
+                assert len(trims) == n - 1
+                eng.step(block=True)
+            eng.step(block=True)
+            assert len(trims) == n
+            eng.step(block=True)  # nothing finished since
+            assert len(trims) == n
+    finally:
+        eng.close()
+
+
 def test_released_pages_leave_the_resident_set_and_their_neighbours_alone() -> None:
     import torch
 
