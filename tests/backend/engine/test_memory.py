@@ -213,7 +213,6 @@ def _outputs(eng: Engine) -> dict[str, tuple[int, ...]]:
     return out
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_DONTNEED) frees at once on Linux")
 def test_the_serving_loop_gives_the_heap_back_as_it_goes_idle(model, monkeypatch) -> None:
     """What finished requests freed stays in the C heap until trimmed: the serving loop
     (``step(block=True)``) trims it once the last request has left, never while one runs,
@@ -240,6 +239,7 @@ def test_the_serving_loop_gives_the_heap_back_as_it_goes_idle(model, monkeypatch
         eng.close()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_DONTNEED) frees at once on Linux")
 def test_released_pages_leave_the_resident_set_and_their_neighbours_alone() -> None:
     import torch
 
