@@ -12,7 +12,7 @@ Q4_0 / Q4_1 weights are multiplied in 8-bit integers, their input rounded to 8 b
 block of 32 as llama.cpp's CPU kernels round theirs, by the same kernel however many
 rows they have, so an expert's bits do not depend on the policy or the batch. They are
 packed in their slot as the slot becomes ready (``native.pack``: 16 rows to a group, for
-a kernel that gives the same bits up to 1.5x as fast at a few rows) and stay packed
+a kernel that gives the same bits about 1.5x as fast at one or two rows) and stay packed
 until the slot is filled again: at every cache size measured the uses of a fill repaid
 its packing, or came even (docs/performance.md, "Q4 experts packed as their slot fills"
 and "The kernel on Q4 blocks as stored, sixteen rows at a time").
