@@ -14,15 +14,12 @@ fixed ``--cache`` keeps them out of the comparison.
 from __future__ import annotations
 
 import argparse
-import json
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from vs_llamacpp import ROOT, Server, free_port, wait_ready
 
 
 def rss_mib(pid: int) -> int:
@@ -38,27 +35,15 @@ def main() -> int:
     ap.add_argument("--wait", type=float, default=2.0)
     ap.add_argument("serve_args", nargs="*", help="passed to `bevy serve` (after --)")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}/v1"
+    port = free_port()
     cmd = [sys.executable, "-m", "backend.serving.cli", "serve", "--port", str(port)]
     proc = subprocess.Popen([*cmd, *args.serve_args], cwd=ROOT, stdout=subprocess.DEVNULL)
+    server = wait_ready(Server("bevy", proc, f"http://127.0.0.1:{port}"))
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/models", timeout=2) as r:
-                    model = json.load(r)["data"][0]["id"]
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    print("bevy serve did not start", file=sys.stderr)
-                    return 1
-                time.sleep(0.5)
         from openai import OpenAI
 
-        client = OpenAI(base_url=base, api_key="unused")
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
         text = " ".join(
             f"Line {i}: the quick brown fox jumps over the lazy dog and then rests."
             for i in range(args.lines)
@@ -74,13 +59,13 @@ def main() -> int:
         )
         took = time.perf_counter() - t0
         print(
-            f"right after: {rss_mib(proc.pid)} MiB ({reply.usage.prompt_tokens} prompt tokens, {took:.1f} s)"
+            f"right after: {rss_mib(proc.pid)} MiB"
+            f" ({reply.usage.prompt_tokens} prompt tokens, {took:.1f} s)"
         )
         time.sleep(args.wait)
         print(f"{args.wait:g} s later: {rss_mib(proc.pid)} MiB")
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
     return 0
 
 

@@ -14,19 +14,11 @@ from backend.kernels import native
 VARIANTS = ("native", "avx2", "avx512-no-vnni")
 
 
-def _has_vnni() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return any(ln.startswith("flags") and " avx512_vnni" in ln for ln in f)
-    except OSError:
-        return False
-
-
 def variant(name: str, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     if name == "native":
         return native.library()
     if name == "avx2":
         return native.build(tmp_path_factory.mktemp("avx2"), extra_flags=("-mno-avx512f",))
-    if not _has_vnni():
+    if " avx512_vnni" not in native._cpu_id():  # the flags -march=native compiles for
         pytest.skip("no AVX-512 VNNI here: the builds above are this CPU's code")
     return native.build(tmp_path_factory.mktemp("novnni"), extra_flags=("-mno-avx512vnni",))
