@@ -15,7 +15,9 @@ Either must export every function ``backend.kernels.native`` binds.
 packed 16 rows to a group (``native.pack``, what the engine's native backend does to each
 Q4_0/Q4_1 expert in its slot as the slot fills), checking that the two give the
 same bits (both read x rounded to 8 bits per block of 32, as ggml's CPU kernels do);
-with ``--decode``, the engine with and without packing.
+with ``--decode``, the engine with and without packing. ``--pack`` times the packing itself
+(``native.pack`` of an expert's three parts, fresh copies out of the CPU's caches) on one
+thread and on ``--threads``.
 
 ``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
 ``--storage ssd``), each policy with each build in turn, and prints decode tokens/s: the
@@ -104,6 +106,7 @@ def main() -> int:
     ap.add_argument("--allow-different-bits", action="store_true")
     ap.add_argument("--packed", action="store_true", help="as stored against packed (above)")
     ap.add_argument("--decode", action="store_true", help="time decoding runs (see above)")
+    ap.add_argument("--pack", action="store_true", help="time the packing (see above)")
     ap.add_argument("--policies", default="bevy,sync")
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--requests", type=int, default=8)
@@ -118,6 +121,8 @@ def main() -> int:
     if args.decode:
         return decode(builds, args)
     parts, hidden = k_experts(args.kind, EXPERTS) if args.kind else (experts(EXPERTS), HIDDEN)
+    if args.pack:
+        return pack_times(parts, args)
     # name -> (library, experts, which of each expert's parts are packed)
     plain = [(False,) * 3] * len(parts)
     variants = {name: (lib, parts, plain) for name, lib in builds.items()}
@@ -171,6 +176,29 @@ def main() -> int:
             mine, other = (statistics.median(times[(m, n)]) for n in variants)
             line += f"  ({first} / {second}: {mine / other:.3f})"
         print(line)
+    return 0
+
+
+def pack_times(parts: list[tuple], args: argparse.Namespace) -> int:
+    """Milliseconds per expert to pack its parts, on one thread and on ``args.threads``,
+    alternating between rounds; each round packs fresh copies of all the experts."""
+    counts = sorted({1, args.threads})
+    times: dict[int, list[float]] = {t: [] for t in counts}
+    for rnd in range(args.rounds):
+        for t in counts if rnd % 2 == 0 else reversed(counts):
+            copies = [[raw.clone() for raw, _, _ in expert] for expert in parts]
+            torch.set_num_threads(t)
+            start = time.perf_counter()
+            for expert, mine in zip(parts, copies, strict=True):
+                for (_, q, s), c in zip(expert, mine, strict=True):
+                    if not native.pack(c, q, s):
+                        print(f"this build does not pack {q.name} {s}", file=sys.stderr)
+                        return 1
+            times[t].append((time.perf_counter() - start) / len(parts))
+    torch.set_num_threads(args.threads)
+    print(f"packing one expert ({len(parts)} in turn), median of {args.rounds}")
+    for t in counts:
+        print(f"{t} thread(s): {1e3 * statistics.median(times[t]):.3f} ms")
     return 0
 
 

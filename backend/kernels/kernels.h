@@ -18,7 +18,7 @@ int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, in
                 float *parts, int sum_rows, int inner, int hidden, int threads);
 int bevy_q8_linear(const uint8_t *w, const float *x, float *y, int M, int N, int K, int threads);
 int bevy_f32_linear(const float *w, const float *x, float *y, int M, int N, int K, int threads);
-int bevy_q4_pack(uint8_t *w, int type, int n, int k);
+int bevy_q4_pack(uint8_t *w, int type, int n, int k, int threads);
 int bevy_q4_unpack(const uint8_t *w, uint8_t *out, int type, int n, int k);
 
 /* attention.c */

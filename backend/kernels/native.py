@@ -208,7 +208,7 @@ def build(
     lib.bevy_q8_linear.restype = i32
     lib.bevy_f32_linear.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
     lib.bevy_f32_linear.restype = i32
-    lib.bevy_q4_pack.argtypes = [ptr, i32, i32, i32]
+    lib.bevy_q4_pack.argtypes = [ptr, i32, i32, i32, i32]
     lib.bevy_q4_pack.restype = i32
     lib.bevy_q4_unpack.argtypes = [ptr, ptr, i32, i32, i32]
     lib.bevy_q4_unpack.restype = i32
@@ -330,13 +330,13 @@ def linear(
 
 
 def pack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> bool:
-    """Reorder a Q4_0 / Q4_1 weight [n, k] stored in ``raw`` in place, 16 rows to a group,
-    for the packed kernels (``q4p_cols`` in q4_matmul.c: integer products with x rounded
-    to 8 bits per block of 32, as ggml's CPU kernels multiply; ``expert_mlp`` gives the
-    same bits on the blocks as stored, more slowly, while ``linear`` multiplies those
-    in float). False, with ``raw``
-    untouched, where the kernels are unavailable or the weight does not pack (another
-    type, n not a multiple of 16).
+    """Reorder a Q4_0 / Q4_1 weight [n, k] stored in ``raw`` in place, 16 rows to a group
+    (the groups shared out on torch's threads), for the packed kernels (``q4p_cols`` in
+    q4_matmul.c: integer products with x rounded to 8 bits per block of 32, as ggml's CPU
+    kernels multiply; ``expert_mlp`` gives the same bits on the blocks as stored, more
+    slowly, while ``linear`` multiplies those in float). False, with ``raw`` untouched,
+    where the kernels are unavailable or the weight does not pack (another type, n not a
+    multiple of 16).
     The caller then passes ``packed`` to ``expert_mlp`` / ``packed_types`` / ``linear``,
     and ``unpack`` gives the blocks as stored back."""
     lib = library()
@@ -344,7 +344,7 @@ def pack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> bool:
     code = _PACKS.get(qtype)
     if lib is None or code is None or not _weight_ok(raw, _BLOCK_BYTES[qtype], n, k):
         return False
-    return lib.bevy_q4_pack(raw.data_ptr(), code, n, k) >= 0
+    return lib.bevy_q4_pack(raw.data_ptr(), code, n, k, torch.get_num_threads()) >= 0
 
 
 def unpack(raw: torch.Tensor, qtype: QType, shape: tuple[int, int]) -> torch.Tensor:

@@ -998,14 +998,14 @@ static inline float gelu_tanh(float g) {
    T_Q41_X8), the same products (q4x_cols gives the packed kernel's bits); *w and *type
    become the copy's. NULL, leaving them, where the weight does not pack or memory runs
    out (the stored kernel then multiplies it). */
-static uint8_t *pack_copy(const uint8_t **w, int *type, int n, int k) {
+static uint8_t *pack_copy(const uint8_t **w, int *type, int n, int k, int threads) {
     if (*type != T_Q40_X8 && *type != T_Q41_X8) return NULL;
     const int q4_1 = *type == T_Q41_X8;
     const size_t bytes = (size_t)n * (k / 32) * (q4_1 ? 20 : 18);
     uint8_t *copy = malloc(bytes + 1);
     if (!copy) return NULL;
     memcpy(copy, *w, bytes);
-    const int code = bevy_q4_pack(copy, q4_1, n, k);
+    const int code = bevy_q4_pack(copy, q4_1, n, k, threads);
     if (code < 0) {
         free(copy);
         return NULL;
@@ -1029,9 +1029,9 @@ int bevy_q4_expert_mlp(const uint8_t *gate, const uint8_t *up, const uint8_t *do
     int gq = x8_code(types & 15), uq = x8_code((types >> 4) & 15), dq = x8_code((types >> 8) & 15);
     uint8_t *copies[3] = {0};
     if (M >= PACK_FROM_ROWS) {
-        copies[0] = pack_copy(&gate, &gq, inner, hidden);
-        copies[1] = pack_copy(&up, &uq, inner, hidden);
-        copies[2] = pack_copy(&down, &dq, hidden, inner);
+        copies[0] = pack_copy(&gate, &gq, inner, hidden, threads);
+        copies[1] = pack_copy(&up, &uq, inner, hidden, threads);
+        copies[2] = pack_copy(&down, &dq, hidden, inner, threads);
     }
     const int rc = expert_mlp(gate, up, down, gq, uq, dq, (types >> 12) & 1, x, out, M, inner,
                               hidden, threads);
@@ -1278,23 +1278,32 @@ int bevy_f32_linear(const float *w, const float *x, float *y, int M, int N, int 
 /* Q4_0 (type 0) or Q4_1 (type 1) weights [n, k] as stored, packed in place by 16 rows for
    the packed kernels (q4p_cols: the same bytes, reordered within each group of 16 rows).
    Returns the packed type code for q4_cols; -1 where the type or shape does not pack (n a
-   multiple of 16, k of 32), or memory runs out. */
-int bevy_q4_pack(uint8_t *w, int type, int n, int k) {
+   multiple of 16, k of 32), or memory runs out. The groups are shared out on `threads`
+   threads: a pass over bytes fresh from the disk is bound by one core's memory bandwidth,
+   and the engine packs each expert on its own thread as the read lands, between products. */
+int bevy_q4_pack(uint8_t *w, int type, int n, int k, int threads) {
     if ((type != 0 && type != 1) || n % 16 || k % 32 || n <= 0) return -1;
     const int nb = k / 32, bs = type ? 20 : 18, hs = type ? 4 : 2;
     const size_t group = (size_t)16 * nb * bs;
-    uint8_t *tmp = malloc(group);
+    const int groups = n / 16;
+    int chunks = threads > 1 ? threads : 1;
+    if (chunks > groups) chunks = groups;
+    uint8_t *tmp = malloc(group * chunks); /* each chunk's copy of the group it packs */
     if (!tmp) return -1;
-    for (int g = 0; g < n / 16; g++) {
-        uint8_t *dst = w + (size_t)g * group;
-        memcpy(tmp, dst, group); /* rows 16g .. 16g + 15 as stored: the group's own bytes */
-        for (int b = 0; b < nb; b++) {
-            uint8_t *c = dst + (size_t)b * 16 * bs;
-            for (int r = 0; r < 16; r++) {
-                const uint8_t *blk = tmp + ((size_t)r * nb + b) * bs;
-                memcpy(c + 2 * r, blk, 2);
-                if (type) memcpy(c + 32 + 2 * r, blk + 2, 2);
-                for (int j = 0; j < 4; j++) memcpy(c + 16 * hs + 64 * j + 4 * r, blk + hs + 4 * j, 4);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < chunks; t++) {
+        uint8_t *own = tmp + (size_t)t * group;
+        for (int g = groups * t / chunks; g < groups * (t + 1) / chunks; g++) {
+            uint8_t *dst = w + (size_t)g * group;
+            memcpy(own, dst, group); /* rows 16g .. 16g + 15 as stored: the group's own bytes */
+            for (int b = 0; b < nb; b++) {
+                uint8_t *c = dst + (size_t)b * 16 * bs;
+                for (int r = 0; r < 16; r++) {
+                    const uint8_t *blk = own + ((size_t)r * nb + b) * bs;
+                    memcpy(c + 2 * r, blk, 2);
+                    if (type) memcpy(c + 32 + 2 * r, blk + 2, 2);
+                    for (int j = 0; j < 4; j++) memcpy(c + 16 * hs + 64 * j + 4 * r, blk + hs + 4 * j, 4);
+                }
             }
         }
     }

@@ -40,6 +40,25 @@ def test_packing_reorders_the_bytes_and_unpacking_restores_them(lib, monkeypatch
     assert torch.equal(native.unpack(packed, qtype, (n, HIDDEN)), raw)
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
+def test_packing_on_any_number_of_threads_gives_the_same_bytes(lib, monkeypatch, qtype):
+    """The groups of 16 rows are shared out on torch's threads: one thread, a split with
+    a remainder (5 groups on 2 or 3 threads), and more threads than groups."""
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 80
+    raw = random_blocks(qtype, n, HIDDEN, seed=5)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for t in (1, 2, 3, 8):
+            torch.set_num_threads(t)
+            got[t] = _packed(raw, qtype, (n, HIDDEN))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(p, got[1]) for p in got.values())
+    assert torch.equal(native.unpack(got[8], qtype, (n, HIDDEN)), raw)
+
+
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
 def test_what_does_not_pack_is_left_as_it_was(lib, monkeypatch, qtype):
     monkeypatch.setattr(native, "_lib", lib)
