@@ -192,7 +192,7 @@ def pack_times(parts: list[tuple], args: argparse.Namespace) -> int:
             for expert, mine in zip(parts, copies, strict=True):
                 for (_, q, s), c in zip(expert, mine, strict=True):
                     if not native.pack(c, q, s):
-                        print(f"this build does not pack {q.name} {s}", file=sys.stderr)
+                        print(f"{q.name} {s} does not pack (Q4_0 / Q4_1 only)", file=sys.stderr)
                         return 1
             times[t].append((time.perf_counter() - start) / len(parts))
     torch.set_num_threads(args.threads)

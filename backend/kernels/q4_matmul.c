@@ -1290,7 +1290,7 @@ int bevy_q4_pack(uint8_t *w, int type, int n, int k, int threads) {
     if (chunks > groups) chunks = groups;
     uint8_t *tmp = malloc(group * chunks); /* each chunk's copy of the group it packs */
     if (!tmp) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(chunks)
     for (int t = 0; t < chunks; t++) {
         uint8_t *own = tmp + (size_t)t * group;
         for (int g = groups * t / chunks; g < groups * (t + 1) / chunks; g++) {
