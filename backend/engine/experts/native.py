@@ -192,23 +192,22 @@ class NativeExperts(EagerExperts):
                     i += 1
         if any(self._too_many((layer, e), len(rs)) for e, rs in by_expert.items()):
             return None
-        base, stride = self.slots.data_ptr(), self.slots.stride(0)
         inner, hidden = self.experts[layer][0].gate.shape
         weights: list[int] = []
         types: list[int] = []
         counts: list[int] = []
         routes: list[int] = []
+        first = 4 * layer * self.n_table_experts
         for e in sorted(by_expert):
             rs = by_expert[e]
-            key = (layer, e)
-            at = self.layouts[key]
-            bits = self._bits(key, at)
-            if bits is None:
-                self.refused(f"expert {key}'s layout")
+            # The addresses and type bits the table keeps for a resident expert (the
+            # walk's): what ``_resident`` checked and packed as the slot became ready.
+            gate, up, down, bits = self.table[first + 4 * e : first + 4 * e + 4]
+            if not gate:
+                self.refused(f"expert {(layer, e)}'s layout")
                 return None
-            types.append(self._types(key, bits))
-            row = base + self.cache.slot_of[key] * stride
-            weights += (row + at[0], row + at[1], row + at[2])
+            weights += (gate, up, down)
+            types.append(bits)
             counts.append(len(rs))
             routes += rs
         whole_rows = sum(r.n for r in members[:n_whole])
