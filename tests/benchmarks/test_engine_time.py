@@ -1,5 +1,6 @@
-"""benchmarks/engine_time.py: its timers count only once decoding has begun, restore what
-they wrap, and split a run's time into its kernels and the rest."""
+"""benchmarks/engine_time.py: its timers count only once decoding has begun, hand back
+what they wrap (``measure`` puts it back), and split a run's time into its kernels and
+the rest."""
 
 from __future__ import annotations
 
