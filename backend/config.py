@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS, policy_fields
+from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS, KV_TYPES, policy_fields
 
 GRAMMAR_KINDS = ("json_schema", "lark", "gbnf", "regex")
 
@@ -287,6 +287,11 @@ class EngineConfig:
     warm: bool = True
     # KV bytes admission keeps running requests within; None: planned (``plan_memory``).
     kv_budget_mib: int | None = None
+    # How the KV cache stores keys and values: "auto" (as the activations: float32 on the
+    # CPU), "f16" (llama.cpp's default: half the bytes a context holds; decoding at long
+    # contexts reads them all every layer, so it runs faster too) or "f32". With "f16"
+    # results are those of float16 keys and values, the same under every policy.
+    kv_type: str = "auto"
     # Stored slots: dequantized weights of recently used cached experts, held inside the
     # cache budget (fewer slots). None or 0: none (what measured best; see the engine).
     working_set_mib: int | None = None
@@ -337,6 +342,8 @@ class EngineConfig:
             raise ValueError(f"working_set_mib must be >= 0, got {self.working_set_mib}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        if self.kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {self.kv_type!r}")
         if self.kv_budget_mib is not None and self.kv_budget_mib < 1:
             raise ValueError(f"kv_budget_mib must be >= 1, got {self.kv_budget_mib}")
         cache = str(self.cache).strip()

@@ -1,4 +1,4 @@
-"""The names a user can pick: scheduling policies and cache evictions.
+"""The names a user can pick: scheduling policies, cache evictions, KV cache types.
 
 Plain tables without imports, so configs validate a name, and the app lists them,
 without loading the engine. ``backend.engine.scheduler`` builds a ``Policy`` from them.
@@ -9,6 +9,8 @@ from __future__ import annotations
 EVICTION_POLICIES = ("lru", "lfu", "reuse")  # see backend/engine/cache.py
 # "auto" or one of backend/engine/experts/ (chosen once at start; see there).
 EXPERT_BACKENDS = ("auto", "native", "compiled", "grouped", "eager")
+# How the KV cache stores keys and values (``Transformer.set_kv_type``).
+KV_TYPES = ("auto", "f16", "f32")
 
 POLICIES = (
     "bevy",

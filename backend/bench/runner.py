@@ -56,6 +56,7 @@ class BenchPlan:
     slot_format: str = "auto"
     expert_backend: str = "auto"
     working_set_mib: int = 0  # decoded experts kept, out of each cache fraction's budget
+    kv_type: str = "auto"  # how the KV cache stores keys and values (EngineConfig.kv_type)
     keep_lanes: bool = False  # records carry each lane's busy intervals (compare view)
 
 
@@ -92,6 +93,7 @@ def run_once(
         slot_format=plan.slot_format,
         expert_backend=plan.expert_backend,
         working_set_mib=plan.working_set_mib,
+        kv_type=plan.kv_type,
     )
     # Each run's peak is its own: what the plain-generation reference or an earlier run
     # read from the mapped file, and freed heap the C library keeps, leave the process.
@@ -215,6 +217,8 @@ def run_bench(
             progress(done, total)
         done += 1
 
+    # The references store keys and values as the runs' engines do.
+    model.transformer.set_kv_type(plan.kv_type)
     for w, n, _ in configs:
         if (w, n) not in prompts:
             step()

@@ -179,7 +179,7 @@ class JobRunner:
         ):
             return None
         t, L = self.t, walk.L
-        like = group[0].x.new_empty(t.config.n_kv_heads, 0, t.config.head_dim)
+        like = group[0].x.new_empty(t.config.n_kv_heads, 0, t.config.head_dim, dtype=t.kv_dtype)
         caches = [None] * L
         for layer_after in range(layer + 1, L):
             caches[layer_after] = [

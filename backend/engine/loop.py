@@ -281,7 +281,8 @@ class Engine:
         self._snapshot_at = 0.0  # the previous snapshot's time ("computing" since then)
         # Keys and values of the softmax attention layers; linear attention layers hold a
         # fixed-size recurrent state per request instead (``state_bytes``).
-        self.kv_bytes_per_token = c.kv_values_per_token * model.transformer.dtype.itemsize
+        model.transformer.set_kv_type(config.kv_type)
+        self.kv_bytes_per_token = c.kv_values_per_token * model.transformer.kv_dtype.itemsize
         self.balancer = Balancer() if self.policy.balance else None
         self._thread: threading.Thread | None = None
         self._capped = device.type == "cuda" and bool(config.memory)

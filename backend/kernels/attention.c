@@ -1,4 +1,5 @@
-/* Decoding attention: one new token per sequence, float32 KV cache (bevy_attn_decode), and
+/* Decoding attention: one new token per sequence, float32 or float16 KV cache
+ * (bevy_attn_decode), and
  * a decoding step's whole attention block around it (bevy_attn_block). Compiled with
  * q4_matmul.c into one library by backend/kernels/native.py (see there for why).
  *
@@ -40,12 +41,15 @@ static inline acc_t v_exp(acc_t x) {
 /* One work item: the `rep` query heads q [rep, dh] of one kv head against its keys and
    values K, V [*, dh] at positions j0 <= j < j1. Writes, per head i, the chunk's score
    maximum m, sum l of exp(score - m) and acc [dh] = sum of exp(score - m) * v, to
-   out + i * (dh + 2) as (acc, m, l). Inlined with dh a constant (64, 128) so that a head's
-   dh / VW accumulators stay in registers. */
+   out + i * (dh + 2) as (acc, m, l). K and V hold float16 if half, else float32. Inlined
+   with dh and half constants (64, 128; 0, 1) so that a head's dh / VW accumulators stay in
+   registers and each load is one kind. */
+#define KV_LOAD(p, at) (half ? v_loadh((const uint16_t *)(p) + (at)) : v_load((const float *)(p) + (at)))
 static inline __attribute__((always_inline)) void attn_chunk_dh(const float *q, int rep,
-                                                                const int dh, const float *K,
-                                                                const float *V, int j0, int j1,
-                                                                float scale, float *out) {
+                                                                const int dh, const int half,
+                                                                const void *K, const void *V,
+                                                                int j0, int j1, float scale,
+                                                                float *out) {
     float s[ATT_MAX_REP][ATT_CHUNK + VW];
     const int n = j1 - j0, npad = (n + VW - 1) / VW * VW, nv = dh / VW;
     for (int i = 0; i < rep; i++) {
@@ -53,12 +57,12 @@ static inline __attribute__((always_inline)) void attn_chunk_dh(const float *q, 
         acc_t qv[256 / VW];
         for (int d = 0; d < nv; d++) qv[d] = v_load(qi + d * VW);
         for (int j = 0; j < n; j++) {
-            const float *kj = K + (size_t)(j0 + j) * dh;
-            acc_t a = v_mul(qv[0], v_load(kj)), b = acc_zero();
-            if (nv > 1) b = v_mul(qv[1], v_load(kj + VW));
+            const size_t kj = (size_t)(j0 + j) * dh;
+            acc_t a = v_mul(qv[0], KV_LOAD(K, kj)), b = acc_zero();
+            if (nv > 1) b = v_mul(qv[1], KV_LOAD(K, kj + VW));
             for (int d = 2; d < nv; d += 2) {
-                a = v_fmadd(qv[d], v_load(kj + d * VW), a);
-                if (d + 1 < nv) b = v_fmadd(qv[d + 1], v_load(kj + (d + 1) * VW), b);
+                a = v_fmadd(qv[d], KV_LOAD(K, kj + d * VW), a);
+                if (d + 1 < nv) b = v_fmadd(qv[d + 1], KV_LOAD(K, kj + (d + 1) * VW), b);
             }
             s[i][j] = acc_sum(v_add(a, b)) * scale;
         }
@@ -80,9 +84,9 @@ static inline __attribute__((always_inline)) void attn_chunk_dh(const float *q, 
         acc_t acc[256 / VW];
         for (int d = 0; d < nv; d++) acc[d] = acc_zero();
         for (int j = 0; j < n; j++) {
-            const float *vj = V + (size_t)(j0 + j) * dh;
+            const size_t vj = (size_t)(j0 + j) * dh;
             acc_t p = v_set1(s[i][j]);
-            for (int d = 0; d < nv; d++) acc[d] = v_fmadd(p, v_load(vj + d * VW), acc[d]);
+            for (int d = 0; d < nv; d++) acc[d] = v_fmadd(p, KV_LOAD(V, vj + d * VW), acc[d]);
         }
         for (int d = 0; d < nv; d++) v_store(o + d * VW, acc[d]);
         o[dh] = m;
@@ -90,21 +94,29 @@ static inline __attribute__((always_inline)) void attn_chunk_dh(const float *q, 
     }
 }
 
-static void attn_chunk(const float *q, int rep, int dh, const float *K, const float *V, int j0,
-                       int j1, float scale, float *out) {
-    switch (dh) {
-    case 64: attn_chunk_dh(q, rep, 64, K, V, j0, j1, scale, out); break;
-    case 128: attn_chunk_dh(q, rep, 128, K, V, j0, j1, scale, out); break;
-    default: attn_chunk_dh(q, rep, dh, K, V, j0, j1, scale, out); break; /* dh <= 256 */
-    }
+#undef KV_LOAD
+
+static void attn_chunk(const float *q, int rep, int dh, int half, const void *K, const void *V,
+                       int j0, int j1, float scale, float *out) {
+    if (half) switch (dh) {
+        case 64: attn_chunk_dh(q, rep, 64, 1, K, V, j0, j1, scale, out); break;
+        case 128: attn_chunk_dh(q, rep, 128, 1, K, V, j0, j1, scale, out); break;
+        default: attn_chunk_dh(q, rep, dh, 1, K, V, j0, j1, scale, out); break; /* dh <= 256 */
+        }
+    else switch (dh) {
+        case 64: attn_chunk_dh(q, rep, 64, 0, K, V, j0, j1, scale, out); break;
+        case 128: attn_chunk_dh(q, rep, 128, 0, K, V, j0, j1, scale, out); break;
+        default: attn_chunk_dh(q, rep, dh, 0, K, V, j0, j1, scale, out); break;
+        }
 }
 
 /* Attention of T sequences' new tokens (one each), heads grouped over G kv heads (H / G
    query heads each, at most ATT_MAX_REP; dh a multiple of 16 up to 256).
 
    Row r: queries q + r * ldq [H, dh] (RoPE applied), its new key and value
-   k + r * ldk, v + r * ldv [G, dh], its cache kbuf[r], vbuf[r] [G, caps[r], dh] (float32,
-   capacity caps[r] > pos[r]). The new key and value are written at position pos[r], then
+   k + r * ldk, v + r * ldv [G, dh], its cache kbuf[r], vbuf[r] [G, caps[r], dh] (float16
+   if kv_half, else float32; capacity caps[r] > pos[r]). The new key and value are written
+   at position pos[r] (rounded to float16 by f32_to_f16 if kv_half), then
    out [T, H * dh] = softmax(q . K[lo..pos] * scale) V per head, lo = 0, or with a sliding
    window > 0, the first of the last `window` positions: max(0, pos - window + 1). Work
    items are (row, kv head, chunk of ATT_CHUNK positions from lo), merged per head in
@@ -114,8 +126,8 @@ static void attn_chunk(const float *q, int rep, int dh, const float *K, const fl
 #define ATT_NCH(p) (((p) - ATT_LO(p) + ATT_CHUNK) / ATT_CHUNK)
 int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const float *v, int ldv,
                      const uint64_t *kbuf, const uint64_t *vbuf, const int *caps, const int *pos,
-                     int T, int H, int G, int dh, float scale, int window, float *out,
-                     int threads) {
+                     int T, int H, int G, int dh, float scale, int window, int kv_half,
+                     float *out, int threads) {
     if (G <= 0 || H % G || H / G > ATT_MAX_REP || dh % 16 || dh > 256) return -2;
     const int rep = H / G;
     int *first = malloc(sizeof(int) * (size_t)(T + 1));
@@ -131,8 +143,15 @@ int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const flo
     for (int r = 0; r < T; r++)
         for (int g = 0; g < G; g++) {
             size_t at = ((size_t)g * caps[r] + pos[r]) * dh;
-            memcpy((float *)kbuf[r] + at, k + (size_t)r * ldk + (size_t)g * dh, sizeof(float) * dh);
-            memcpy((float *)vbuf[r] + at, v + (size_t)r * ldv + (size_t)g * dh, sizeof(float) * dh);
+            const float *kr = k + (size_t)r * ldk + (size_t)g * dh;
+            const float *vr = v + (size_t)r * ldv + (size_t)g * dh;
+            if (kv_half) {
+                f32_to_f16(kr, (uint16_t *)kbuf[r] + at, dh);
+                f32_to_f16(vr, (uint16_t *)vbuf[r] + at, dh);
+            } else {
+                memcpy((float *)kbuf[r] + at, kr, sizeof(float) * dh);
+                memcpy((float *)vbuf[r] + at, vr, sizeof(float) * dh);
+            }
         }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int it = 0; it < items; it++) {
@@ -142,9 +161,10 @@ int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const flo
         const int c = (it - first[r]) % nch, len = pos[r] + 1;
         const int j0 = ATT_LO(pos[r]) + c * ATT_CHUNK;
         const int j1 = j0 + ATT_CHUNK < len ? j0 + ATT_CHUNK : len;
-        const size_t base = (size_t)g * caps[r] * dh;
-        attn_chunk(q + (size_t)r * ldq + (size_t)g * rep * dh, rep, dh, (const float *)kbuf[r] + base,
-                   (const float *)vbuf[r] + base, j0, j1, scale, part + (size_t)it * rep * (dh + 2));
+        const size_t base = (size_t)g * caps[r] * dh * (kv_half ? 2 : 4);
+        attn_chunk(q + (size_t)r * ldq + (size_t)g * rep * dh, rep, dh, kv_half,
+                   (const char *)kbuf[r] + base, (const char *)vbuf[r] + base, j0, j1, scale,
+                   part + (size_t)it * rep * (dh + 2));
     }
     for (int r = 0; r < T; r++) {
         const int nch = ATT_NCH(pos[r]);
@@ -230,7 +250,7 @@ static void rms_row(const float *h, const float *w, float eps, int D, float *x) 
    out [T, D] = h + attn(rms_norm(h) * norm_w) @ Wo.T, where q, k, v = x @ Wqkv.T (q, k, v
    stacked: [(H + 2G) * dh, D]), q and k rotated at position pos[r] (cos, sin: tables
    [*, dh / 2] by position), the new key and value written to the row's cache, and the
-   attention as in bevy_attn_decode (`window` too). Weights in blocks of qkv_type / o_type (linear_any).
+   attention as in bevy_attn_decode (`window` and `kv_half` too). Weights in blocks of qkv_type / o_type (linear_any).
    Then, if ffn_w is given, the MoE's input xout [T, D] = rms_norm(out) * ffn_w, and if
    router [E, D] (float32, D a multiple of 16) is given too, its logits [T, E] = xout @
    router.T, each a dot product in a fixed order; and if ids is given too, each row's
@@ -240,9 +260,9 @@ int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps
                     const uint8_t *wqkv, int qkv_type, const uint8_t *wo, int o_type,
                     const float *cos, const float *sin, int interleaved, const uint64_t *kbuf,
                     const uint64_t *vbuf, const int *caps, const int *pos, int H, int G, int dh,
-                    float scale, int window, float *out, const float *ffn_w, float *xout,
-                    const float *router, int E, float *logits, int k, int norm_topk, int64_t *ids,
-                    float *weights, int threads) {
+                    float scale, int window, int kv_half, float *out, const float *ffn_w,
+                    float *xout, const float *router, int E, float *logits, int k, int norm_topk,
+                    int64_t *ids, float *weights, int threads) {
     const int width = (H + 2 * G) * dh, half = dh / 2;
     if (ids && (!ffn_w || !router || k < 1 || k > E)) return -2;
     float *x = malloc(sizeof(float) * ((size_t)T * D + (size_t)T * width + (size_t)T * H * dh) + 1);
@@ -255,8 +275,8 @@ int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps
                    sin + (size_t)pos[r] * half, interleaved);
     if (!rc)
         rc = bevy_attn_decode(qkv, width, qkv + (size_t)H * dh, width, qkv + (size_t)(H + G) * dh,
-                              width, kbuf, vbuf, caps, pos, T, H, G, dh, scale, window, att,
-                              threads);
+                              width, kbuf, vbuf, caps, pos, T, H, G, dh, scale, window, kv_half,
+                              att, threads);
     if (!rc) rc = linear_any(wo, o_type, att, out, T, D, H * dh, threads);
     if (!rc)
         for (size_t i = 0; i < (size_t)T * D; i++) out[i] = h[i] + out[i];

@@ -59,8 +59,8 @@ static int layer_attention(const bevy_decode_args *a, int l, const float *h, flo
     return bevy_attn_block(h, a->T, a->D, (const float *)p[0], a->eps, (const uint8_t *)p[1], q[0],
                            (const uint8_t *)p[2], q[1], a->cos, a->sin, a->interleaved,
                            a->kbuf + at, a->vbuf + at, a->caps + at, a->pos, a->H, a->G, a->dh,
-                           a->scale, q[2], out, (const float *)p[3], x, (const float *)p[4], a->E,
-                           logits, a->K, a->norm_topk, ids, w, threads);
+                           a->scale, q[2], a->kv_half, out, (const float *)p[3], x,
+                           (const float *)p[4], a->E, logits, a->K, a->norm_topk, ids, w, threads);
 }
 
 /* T decoding rows, each before the MoE of layer l0 (h: the residual after its attention,

@@ -26,6 +26,7 @@ class DecodeArgs(ctypes.Structure):
     _fields_ = [
         *((n, _I) for n in ("T", "D", "L", "K", "E", "H", "G", "dh", "inner", "interleaved")),
         ("norm_topk", _I),
+        ("kv_half", _I),
         ("eps", _F),
         ("scale", _F),
         *((n, _P) for n in ("table", "layers", "layer_ints", "cos", "sin", "kbuf", "vbuf")),
@@ -102,7 +103,7 @@ class Walk:
         """Walk T rows on from before the MoE of layer ``l0``: h, x [T, D] float32, ids, w
         [T, K] (int64, float32), all contiguous, updated in place. ``caches[l][r]``: row
         r's (K, V) buffers of layer l, reserved for its position ``pos[r]``, for every
-        layer after ``l0`` (None before). ``rope``: (cos, sin) covering every position.
+        layer after ``l0`` (None before), all float32 or all float16. ``rope``: (cos, sin) covering every position.
         Returns (the layer reached, trail): l < L, the rows stopped before that layer's MoE
         (``l0``: nothing ran), or L, h holding the last layer's output; trail [L, T, K]
         the routing of each layer entered after ``l0``."""
@@ -115,15 +116,19 @@ class Walk:
             (ctypes.c_uint64 * (L * T))(),
             (_I * (L * T))(),
         )
+        dtypes = set()
         for layer in range(l0 + 1, L):
             for r, (kbuf, vbuf) in enumerate(caches[layer]):
                 kb[layer * T + r], vb[layer * T + r] = kbuf.data_ptr(), vbuf.data_ptr()
                 caps[layer * T + r] = kbuf.shape[1]
+                dtypes |= {kbuf.dtype, vbuf.dtype}
+        if not dtypes <= {torch.float32} and dtypes != {torch.float16}:
+            raise ValueError(f"native decode walk: KV buffers of {sorted(map(str, dtypes))}")
         cos, sin = rope
         positions = (_I * T)(*pos)
         args = DecodeArgs(
             T, D, L, self.k, self.E, H, G, dh, self.inner, self.interleaved, self.norm,
-            self.eps, dh**-0.5,
+            int(dtypes == {torch.float16}), self.eps, dh**-0.5,
             ctypes.addressof(self._table), ctypes.addressof(self._layers),
             ctypes.addressof(self._ints), cos.data_ptr(), sin.data_ptr(),
             ctypes.addressof(kb), ctypes.addressof(vb), ctypes.addressof(caps),

@@ -24,19 +24,20 @@ int bevy_q4_unpack(const uint8_t *w, uint8_t *out, int type, int n, int k);
 /* attention.c */
 int bevy_attn_decode(const float *q, int ldq, const float *k, int ldk, const float *v, int ldv,
                      const uint64_t *kbuf, const uint64_t *vbuf, const int *caps, const int *pos,
-                     int T, int H, int G, int dh, float scale, int window, float *out,
-                     int threads);
+                     int T, int H, int G, int dh, float scale, int window, int kv_half,
+                     float *out, int threads);
 int bevy_attn_block(const float *h, int T, int D, const float *norm_w, float eps,
                     const uint8_t *wqkv, int qkv_type, const uint8_t *wo, int o_type,
                     const float *cos, const float *sin, int interleaved, const uint64_t *kbuf,
                     const uint64_t *vbuf, const int *caps, const int *pos, int H, int G, int dh,
-                    float scale, int window, float *out, const float *ffn_w, float *xout,
-                    const float *router, int E, float *logits, int k, int norm_topk, int64_t *ids,
-                    float *weights, int threads);
+                    float scale, int window, int kv_half, float *out, const float *ffn_w,
+                    float *xout, const float *router, int E, float *logits, int k, int norm_topk,
+                    int64_t *ids, float *weights, int threads);
 
 /* decode.c: what bevy_decode_run needs besides the rows; native.DecodeArgs mirrors it. */
 typedef struct {
     int T, D, L, K, E, H, G, dh, inner, interleaved, norm_topk;
+    int kv_half;              /* the K and V buffers hold float16 (else float32) */
     float eps, scale;
     const uint64_t *table;    /* [L, E, 4]: an expert's gate, up, down addresses and types
                                  (the kernels' bits); gate 0: not resident */

@@ -38,12 +38,13 @@ the graphs; each row is reduced on its own, so a row's result is the same alone 
 a batch (the tests check both).
 
 ``attention`` and ``attention_block`` run a decoding step's attention (one new token per
-sequence, float32 KV cache): the block also takes the norm, the q/k/v and output
-projections from their stored blocks, RoPE and the residual, then the FFN's norm and
-the router's logits, softmax and top-k, one call per layer instead of ~30 torch ops.
-Positions go in chunks of 256 whose partial softmaxes are merged in order, so a row's
-result depends neither on its batch-mates nor on the thread count; they agree with a
-float64 reference to ~1e-6 (exp by a polynomial within ~2 ulp).
+sequence, float32 or float16 KV cache, ``Transformer.kv_dtype``): the block
+also takes the norm, the q/k/v and output projections from their stored blocks, RoPE and
+the residual, then the FFN's norm and the router's logits, softmax and top-k, one call
+per layer instead of ~30 torch ops. Positions go in chunks of 256 whose partial
+softmaxes are merged in order, so a row's result depends neither on its batch-mates nor
+on the thread count; they agree with a float64 reference on the same keys and values
+to ~1e-6 (exp by a polynomial within ~2 ulp).
 """
 
 from __future__ import annotations
@@ -214,10 +215,10 @@ def build(
     lib.bevy_q4_unpack.restype = i32
     f32 = ctypes.c_float
     lib.bevy_attn_decode.argtypes = [ptr, i32, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr]
-    lib.bevy_attn_decode.argtypes += [i32, i32, i32, i32, f32, i32, ptr, i32]
+    lib.bevy_attn_decode.argtypes += [i32, i32, i32, i32, f32, i32, i32, ptr, i32]
     lib.bevy_attn_decode.restype = i32
     lib.bevy_attn_block.argtypes = [ptr, i32, i32, ptr, f32, ptr, i32, ptr, i32, ptr, ptr, i32]
-    lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, ptr, i32, i32, i32, f32, i32, ptr]
+    lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, ptr, i32, i32, i32, f32, i32, i32, ptr]
     lib.bevy_attn_block.argtypes += [ptr, ptr, ptr, i32, ptr, i32, i32, ptr, ptr, i32]
     lib.bevy_attn_block.restype = i32
     lib.bevy_decode_run.argtypes = [ptr, i32, ptr, ptr, ptr, ptr, ptr, i32]
@@ -557,9 +558,10 @@ def attention(
     """Decoding attention for T sequences with one new token each, in one call.
 
     q [T, H, dh] (RoPE applied), k, v [T, G, dh] the new keys and values; ``caches[r]``
-    = (K, V) [G, cap, dh] float32 buffers of sequence r, with ``pos[r]`` < cap, holding
-    its keys and values at positions before ``pos[r]``. Writes row r's key and value at
-    ``pos[r]``, then returns out [T, H * dh]: per head, softmax(q . K[:pos+1] * scale)
+    = (K, V) [G, cap, dh] buffers of sequence r (float32, or float16: every buffer the
+    same), with ``pos[r]`` < cap, holding its keys and values at positions before
+    ``pos[r]``. Writes row r's key and value at ``pos[r]`` (rounded to float16 as torch
+    rounds, into float16 buffers), then returns out [T, H * dh]: per head, softmax(q . K[:pos+1] * scale)
     V[:pos+1], query head h reading kv head h // (H / G); with a sliding ``window`` > 0,
     over the last ``window`` positions only. Each row is computed on its own,
     in chunks of positions merged in order: its result does not depend on its batch-mates
@@ -592,6 +594,7 @@ def attention(
             dh,
             scale,
             window,
+            kv_half(caches),
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -610,7 +613,8 @@ def _check(rc: int, what: str) -> None:
 
 def _caches_ok(caches: list, pos: list[int], T: int, H: int, G: int, dh: int) -> bool:
     """Head counts and widths the attention kernel takes, and for each of T rows a cache
-    (K, V) [G, cap, dh] of float32 CPU buffers with room at its position; no two rows
+    (K, V) [G, cap, dh] of CPU buffers with room at its position, all float32 or all
+    float16; no two rows
     writing one sequence's cache."""
     if (
         G == 0
@@ -629,7 +633,8 @@ def _caches_ok(caches: list, pos: list[int], T: int, H: int, G: int, dh: int) ->
             and kb.shape[2] == dh
             and 0 <= p < kb.shape[1]
             and vb.shape == kb.shape
-            and kb.dtype == vb.dtype == torch.float32
+            and kb.dtype == vb.dtype == caches[0][0].dtype
+            and kb.dtype in (torch.float32, torch.float16)
             and kb.device.type == vb.device.type == "cpu"
             and kb.is_contiguous()
             and vb.is_contiguous()
@@ -637,6 +642,12 @@ def _caches_ok(caches: list, pos: list[int], T: int, H: int, G: int, dh: int) ->
             return False
     # Every buffer distinct: no row's write lands in another's keys or its own values.
     return len({t.data_ptr() for pair in caches for t in pair}) == 2 * T
+
+
+def kv_half(caches: list) -> int:
+    """The kernels' ``kv_half``: 1 where the (K, V) buffers hold float16 (``_caches_ok``
+    takes only caches of one dtype), 0 for float32 or no rows."""
+    return int(bool(caches) and caches[0][0].dtype == torch.float16)
 
 
 def _cache_args(caches: list, pos: list[int]) -> tuple:
@@ -790,6 +801,7 @@ def attention_block(
             dh,
             dh**-0.5,
             blk.window,
+            kv_half(caches),
             out.data_ptr(),
             None if x is None else blk.ffn_w.data_ptr(),
             None if x is None else x.data_ptr(),

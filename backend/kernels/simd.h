@@ -25,6 +25,14 @@ static inline float f16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* n floats (a multiple of 8) at x to float16 at h, rounded to nearest even as torch's
+   float-to-half conversion rounds, so either side may write a cache the other reads. */
+static inline void f32_to_f16(const float *x, uint16_t *h, int n) {
+    for (int i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
 #ifdef __AVX512F__
 typedef __m512 acc_t;
 static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
@@ -38,6 +46,10 @@ static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
 #define v_add _mm512_add_ps
 #define v_max _mm512_max_ps
 #define v_store _mm512_storeu_ps
+/* VW float16 values at p (a KV cache row), widened to float. */
+static inline acc_t v_loadh(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
 /* 2^n for whole-valued n in [-126, 127] */
 static inline acc_t v_pow2(acc_t n) {
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
@@ -65,6 +77,9 @@ static inline float acc_sum(acc_t a) {
 #define v_add _mm256_add_ps
 #define v_max _mm256_max_ps
 #define v_store _mm256_storeu_ps
+static inline acc_t v_loadh(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
 static inline acc_t v_pow2(acc_t n) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_castsi256_ps(e);

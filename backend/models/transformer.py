@@ -175,6 +175,9 @@ class Transformer:
         self.experts = experts
         self.device = device
         self.dtype = dtype
+        # Keys and values as the KV cache stores them (``set_kv_type``), read back as
+        # ``dtype``: the activations' own, or float16 (llama.cpp's default cache type).
+        self.kv_dtype = dtype
         c = config
         # The frequencies, and the factor cos and sin are scaled by (YaRN's; else 1).
         self._inv_freq, self._rope_scale = rope.inv_freq(c, device)
@@ -183,6 +186,18 @@ class Transformer:
         # (layer, ffn, router) -> (the weights it was made of, the native attention block's
         # weights or None): see ``_block_weights``
         self._blocks: dict[tuple[int, bool, bool], tuple[tuple, native.BlockWeights | None]] = {}
+
+    def set_kv_type(self, kv_type: str) -> None:
+        """Store keys and values as ``kv_type``: "auto" (the activations' dtype), "f16" or
+        "f32" (``EngineConfig.kv_type``). float16 halves what a context holds, and
+        decoding at long contexts, which reads every cached key and value once per layer,
+        takes less time (``docs/performance.md``); the values differ from float32's by
+        their rounding. Caches already holding keys keep their dtype: set it before any
+        sequence starts."""
+        kinds = {"auto": self.dtype, "f16": torch.float16, "f32": torch.float32}
+        if kv_type not in kinds:
+            raise ValueError(f"kv_type must be one of {', '.join(kinds)}, got {kv_type!r}")
+        self.kv_dtype = kinds[kv_type]
 
     # --- pieces -------------------------------------------------------------------------
 
@@ -325,7 +340,8 @@ class Transformer:
         if self._decoding(q, seqs) and sinks is None:
             # One native call writes every row's key and value and attends
             # (``native.attention``), instead of the loop below and its torch ops per row.
-            caches = [s.kv.reserve(layer, s.start, s.start + 1, k[i]) for i, s in enumerate(seqs)]
+            like = k.new_empty(G, 0, Dh, dtype=self.kv_dtype)
+            caches = [s.kv.reserve(layer, s.start, s.start + 1, like) for s in seqs]
             out = native.attention(q, k, v, caches, [s.start for s in seqs], scale, window)
             if out is not None:
                 return out.view(T, H, Dh)
@@ -333,16 +349,19 @@ class Transformer:
         row = 0
         rep = H // G
         for s in seqs:
+            # The rows' own keys and values too are read back as stored: a prompt then
+            # gets the same bits read whole or in slices, and as the native kernel reads.
             kk, vv = s.kv.write(
                 layer,
                 s.start,
-                k[row : row + s.n].transpose(0, 1),
-                v[row : row + s.n].transpose(0, 1),
+                k[row : row + s.n].transpose(0, 1).to(self.kv_dtype),
+                v[row : row + s.n].transpose(0, 1).to(self.kv_dtype),
             )
             # A sliding layer's rows see only the last ``window`` positions up to their own.
             lo = max(0, s.start - window + 1) if window else 0
             if lo:
                 kk, vv = kk[:, lo:], vv[:, lo:]
+            kk, vv = kk.to(q.dtype), vv.to(q.dtype)
             if s.n == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
                 # Decoding: one query per head, no mask. Two batched matmuls and a softmax
                 # cost less than SDPA's math path on CPU.
@@ -525,7 +544,7 @@ class Transformer:
         if blk is None:
             return None
         c = self.config
-        like = h.new_empty(c.n_kv_heads, 0, c.head_dim)
+        like = h.new_empty(c.n_kv_heads, 0, c.head_dim, dtype=self.kv_dtype)
         caches = [s.kv.reserve(layer, s.start, s.start + 1, like) for s in seqs]
         rope = self.rope_table(max(s.start for s in seqs) + 1, h.dtype)
         return native.attention_block(h, blk, rope, caches, [s.start for s in seqs])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 from backend.errors import BevyError
-from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS
+from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS, KV_TYPES
 from backend.serving import agent_cli
 
 
@@ -69,6 +69,13 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
         choices=("auto", "stored", "decoded"),
         default="auto",
         help="what a cache slot holds",
+    )
+    p.add_argument(
+        "--kv-type",
+        choices=KV_TYPES,
+        default="auto",
+        help="how the KV cache stores keys and values (default auto: as the activations, "
+        "float32 on the CPU; f16 halves a context's memory and decodes long contexts faster)",
     )
     p.add_argument(
         "--expert-backend",
@@ -133,6 +140,7 @@ def _engine_config(args: argparse.Namespace):
             cache=args.cache,
             memory=args.memory,
             kv_budget_mib=args.kv_budget,
+            kv_type=args.kv_type,
             eviction=args.eviction,
             policy=args.policy,
             max_active=args.max_active,
@@ -468,6 +476,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             slot_format=args.slot_format,
             expert_backend=args.expert_backend,
             working_set_mib=args.working_set,
+            kv_type=args.kv_type,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None

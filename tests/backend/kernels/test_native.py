@@ -426,33 +426,37 @@ def test_q8_linear_equals_dequantize_then_matmul(lib, monkeypatch, rows: int):
 
 def _attention_ref(q, caches, lens, k, v, scale):
     """Float64 softmax attention of each row's query heads over its cache plus its new
-    key and value (query head h reads kv head h // (H / G))."""
+    key and value, rounded to the cache's dtype as it stores them (query head h reads kv
+    head h // (H / G))."""
     T, H, dh = q.shape
     G = k.shape[1]
     outs = []
     for r in range(T):
-        kk = torch.cat([caches[r][0][:, : lens[r]], k[r][:, None]], 1).double()
-        vv = torch.cat([caches[r][1][:, : lens[r]], v[r][:, None]], 1).double()
+        kv = caches[r][0].dtype
+        kk = torch.cat([caches[r][0][:, : lens[r]], k[r][:, None].to(kv)], 1).double()
+        vv = torch.cat([caches[r][1][:, : lens[r]], v[r][:, None].to(kv)], 1).double()
         kk, vv = kk.repeat_interleave(H // G, 0), vv.repeat_interleave(H // G, 0)
         att = (torch.einsum("hd,hsd->hs", q[r].double(), kk) * scale).softmax(-1)
         outs.append(torch.einsum("hs,hsd->hd", att, vv).reshape(-1))
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dh"), [(9, 3, 64), (4, 4, 128), (16, 2, 32)])
-def test_attention_equals_softmax_reference(lib, monkeypatch, heads, kv_heads, dh):
+def test_attention_equals_softmax_reference(lib, monkeypatch, heads, kv_heads, dh, kv):
     """Decoding attention: rows whose caches end on both sides of the kernel's chunks of
-    256 positions (an empty cache too), peaked and flat scores. Within 1e-5 of a float64
-    reference; each row's new key and value land at its position; each row is the same
-    bits alone as in its batch, and on one thread as on two."""
+    256 positions (an empty cache too), peaked and flat scores, caches of float32 and of
+    float16. Within 1e-5 of a float64 reference on the same keys and values; each row's
+    new key and value land at its position (in float16 rounded as torch rounds); each row
+    is the same bits alone as in its batch, and on one thread as on two."""
     monkeypatch.setattr(native, "_lib", lib)
     gen = torch.Generator().manual_seed(heads * dh)
     lens = [0, 1, 255, 256, 257, 700]
     T = len(lens)
     caches = [
         (
-            torch.randn(kv_heads, n + 9, dh, generator=gen),
-            torch.randn(kv_heads, n + 9, dh, generator=gen),
+            torch.randn(kv_heads, n + 9, dh, generator=gen).to(kv),
+            torch.randn(kv_heads, n + 9, dh, generator=gen).to(kv),
         )
         for n in lens
     ]
@@ -466,7 +470,8 @@ def test_attention_equals_softmax_reference(lib, monkeypatch, heads, kv_heads, d
     assert got.shape == (T, heads * dh)
     assert (got.double() - ref).abs().max().item() <= 1e-5
     for r, n in enumerate(lens):
-        assert torch.equal(caches[r][0][:, n], k[r]) and torch.equal(caches[r][1][:, n], v[r])
+        assert torch.equal(caches[r][0][:, n], k[r].to(kv))
+        assert torch.equal(caches[r][1][:, n], v[r].to(kv))
         assert torch.equal(caches[r][0][:, :n], before[r][0][:, :n])  # the rest untouched
         assert torch.equal(caches[r][0][:, n + 1 :], before[r][0][:, n + 1 :])
         alone = native.attention(q[r : r + 1], k[r : r + 1], v[r : r + 1], [caches[r]], [n], scale)
@@ -484,14 +489,18 @@ def test_attention_equals_softmax_reference(lib, monkeypatch, heads, kv_heads, d
 def test_attention_refuses_what_it_does_not_take():
     """Head widths off the kernel's vectors, too many query heads per kv head, a position
     past the buffer, one cache for two rows, values sharing the keys' buffer, other
-    dtypes: None, buffers untouched."""
+    dtypes (caches of float64, or of two dtypes): None, buffers untouched."""
 
-    def bufs(dh: int = 64) -> list:
-        return [(torch.zeros(2, 8, dh), torch.zeros(2, 8, dh)) for _ in range(2)]
+    def bufs(dh: int = 64, dtype: torch.dtype = torch.float32) -> list:
+        return [
+            (torch.zeros(2, 8, dh, dtype=dtype), torch.zeros(2, 8, dh, dtype=dtype))
+            for _ in range(2)
+        ]
 
     q, k, v = torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64)
     assert native.attention(q, k, v, bufs(), [3, 3], 0.125) is not None
-    zeros, narrow = bufs(), bufs(40)
+    zeros, narrow, wide = bufs(), bufs(40), bufs(dtype=torch.float64)
+    mixed = [bufs()[0], bufs(dtype=torch.float16)[0]]
     q40, k40, v40 = torch.randn(2, 4, 40), torch.randn(2, 2, 40), torch.randn(2, 2, 40)
     shared = torch.zeros(2, 8, 64)
     cases = [
@@ -502,15 +511,19 @@ def test_attention_refuses_what_it_does_not_take():
         (q, k, v, [(shared, shared), zeros[1]], [3, 3]),  # values over the keys
         (q.double(), k.double(), v.double(), zeros, [3, 3]),
         (q, k, v, zeros[:1], [3, 3]),
+        (q, k, v, wide, [3, 3]),
+        (q, k, v, mixed, [3, 3]),  # a float32 cache beside a float16 one
     ]
     for args in cases:
         assert native.attention(*args, 0.125) is None
-    assert all(not c.any() for pair in [*zeros, *narrow] for c in pair) and not shared.any()
+    assert all(not c.any() for pair in [*zeros, *narrow, *wide, *mixed] for c in pair)
+    assert not shared.any()
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize(("tqkv", "to"), [(QType.Q4_1, QType.Q4_0), (QType.Q4_0, QType.Q8_0)])
-def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to):
+def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to, kv):
     """The whole decoding block (norm, q/k/v, RoPE of adjacent pairs or of halves, KV
     write, attention, output projection, residual, then the FFN's norm, router logits and
     top-k routing) against the same steps in torch on dequantized weights, float64
@@ -525,7 +538,10 @@ def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to)
     freqs = torch.arange(400).float()[:, None] * (1e4 ** (-torch.arange(0, dh, 2).float() / dh))
     cos, sin = freqs.cos(), freqs.sin()
     caches = [
-        (torch.randn(G, p + 3, dh, generator=gen), torch.randn(G, p + 3, dh, generator=gen))
+        (
+            torch.randn(G, p + 3, dh, generator=gen).to(kv),
+            torch.randn(G, p + 3, dh, generator=gen).to(kv),
+        )
         for p in pos
     ]
     before = [(kb.clone(), vb.clone()) for kb, vb in caches]
@@ -562,8 +578,10 @@ def test_attention_block_equals_its_ops(lib, monkeypatch, interleaved, tqkv, to)
     assert torch.equal(ids, ids_ref) and ids.dtype == torch.int64
     assert (w - w_ref).abs().max().item() <= 1e-6
     for r, p in enumerate(pos):
-        assert (caches[r][0][:, p] - k[r]).abs().max().item() <= 1e-5
-        assert (caches[r][1][:, p] - v[r]).abs().max().item() <= 1e-5
+        # In float16 within a float16 step (2^-10 of the largest) of torch's key and value.
+        for stored, want in ((caches[r][0][:, p], k[r]), (caches[r][1][:, p], v[r])):
+            bound = 1e-5 if kv == torch.float32 else 2**-10 * want.abs().max().item()
+            assert (stored.float() - want).abs().max().item() <= bound
         alone = native.attention_block(h[r : r + 1], blk, (cos, sin), [caches[r]], [p])
         for a, b in zip(alone, (got, x_got, logits, ids, w), strict=True):
             assert torch.equal(a[0], b[r])
