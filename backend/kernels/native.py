@@ -560,9 +560,9 @@ def attention(
     q [T, H, dh] (RoPE applied), k, v [T, G, dh] the new keys and values; ``caches[r]``
     = (K, V) [G, cap, dh] buffers of sequence r (float32, or float16: every buffer the
     same), with ``pos[r]`` < cap, holding its keys and values at positions before
-    ``pos[r]``. Writes row r's key and value at ``pos[r]`` (rounded to float16 as torch
-    rounds, into float16 buffers), then returns out [T, H * dh]: per head, softmax(q . K[:pos+1] * scale)
-    V[:pos+1], query head h reading kv head h // (H / G); with a sliding ``window`` > 0,
+    ``pos[r]``. Writes row r's key and value at ``pos[r]`` (into float16 buffers rounded
+    as torch rounds), then returns out [T, H * dh]: per head, softmax(q . K[:pos+1] *
+    scale) V[:pos+1], query head h reading kv head h // (H / G); with a sliding ``window`` > 0,
     over the last ``window`` positions only. Each row is computed on its own,
     in chunks of positions merged in order: its result does not depend on its batch-mates
     or on the number of threads. None where the kernels are unavailable or do not take
@@ -614,8 +614,7 @@ def _check(rc: int, what: str) -> None:
 def _caches_ok(caches: list, pos: list[int], T: int, H: int, G: int, dh: int) -> bool:
     """Head counts and widths the attention kernel takes, and for each of T rows a cache
     (K, V) [G, cap, dh] of CPU buffers with room at its position, all float32 or all
-    float16; no two rows
-    writing one sequence's cache."""
+    float16; no two rows writing one sequence's cache."""
     if (
         G == 0
         or H % G

@@ -27,8 +27,10 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A Q4 model whose every decoding product is a row kernel (the same bits in any
-    batch), so that its keys round to float16 the same way on every path."""
+    """A Q4 model on the native kernels: its decoding products are row kernels (each row
+    the same bits in any batch), so a key rounds to float16 alike on every path. (Models
+    whose products round by batch shape can put a key on either side of a float16
+    rounding edge: float16 is not their default, see ``EngineConfig.kv_type``.)"""
     root = tmp_path_factory.mktemp("kv")
     tiny = load_model(make_tiny("mixtral", root / "tiny", num_hidden_layers=4))
     return load_model(write_gguf(tiny, root / "tiny.q4.gguf", QType.Q4_1))
