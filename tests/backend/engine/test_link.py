@@ -115,6 +115,37 @@ def test_queued_reads_land_every_expert_exactly(
 
 
 @needs_aio
+def test_the_next_reads_are_queued_before_a_landed_expert_is_reported(model_file: Path) -> None:
+    """Handling a landed expert takes the GIL, which the engine's Python may hold: the
+    SSD gets the next expert's reads first, so it never works on fewer meanwhile."""
+    refs = [e for layer in inspect_model(model_file).experts for e in layer]
+    batch = refs[: QUEUED_EXPERTS + 1]
+    with open_direct(model_file) as store:
+        slots = store.alloc_slots(len(batch))
+        seen: queue.Queue = queue.Queue()
+        fetcher: Fetcher
+
+        def done(key, layout, err) -> None:
+            seen.put((key, err, {f.key for f in fetcher._flights.values()}))
+
+        fetcher = Fetcher(store, slots, Telemetry(), done)
+        try:
+            # Every fetch is waiting before the link takes the first one (the condition's
+            # lock is reentrant: submit takes it again).
+            with fetcher._cv:
+                for i, ref in enumerate(batch):
+                    fetcher.submit((0, i), (ref.layer, ref.expert), ref, i)
+            reports = [seen.get(timeout=30) for _ in batch]
+        finally:
+            fetcher.close()
+    assert fetcher.batched
+    assert all(err is None for _, err, _ in reports)
+    first_key, _, queued = reports[0]
+    last = (batch[-1].layer, batch[-1].expert)
+    assert first_key != last and last in queued
+
+
+@needs_aio
 def test_queued_reads_bypass_the_page_cache(model_file: Path) -> None:
     experts = inspect_model(model_file).experts
     wanted = expert_pages(experts)
