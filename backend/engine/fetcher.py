@@ -203,9 +203,9 @@ class Fetcher:
             self._flights.pop(seq) for seq in [s for s, f in self._flights.items() if not f.left]
         ]
         # The next reads go to the SSD before the landed experts are handled: handling
-        # them (checks, telemetry, waking the engine) takes a fifth of a millisecond or
-        # more where the engine's Python holds the GIL, and the SSD would meanwhile work
-        # on one expert's reads instead of two (measured: docs/performance.md).
+        # them (checks, telemetry, waking the engine) is Python, a fifth of a millisecond
+        # and more while the engine's Python holds the GIL, and the SSD would meanwhile
+        # work on one expert's reads instead of two (measured: docs/performance.md).
         with self._cv:
             batch = self._next_batch()
         if batch:

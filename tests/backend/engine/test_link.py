@@ -116,8 +116,8 @@ def test_queued_reads_land_every_expert_exactly(
 
 @needs_aio
 def test_the_next_reads_are_queued_before_a_landed_expert_is_reported(model_file: Path) -> None:
-    """Handling a landed expert takes the GIL, which the engine's Python may hold: the
-    SSD gets the next expert's reads first, so it never works on fewer meanwhile."""
+    """Handling a landed expert is Python, slower while the engine's Python holds the
+    GIL: the SSD gets the next expert's reads first, so it is not left with fewer."""
     refs = [e for layer in inspect_model(model_file).experts for e in layer]
     batch = refs[: QUEUED_EXPERTS + 1]
     with open_direct(model_file) as store:
