@@ -104,9 +104,9 @@ class Walk:
         [T, K] (int64, float32), all contiguous, updated in place. ``caches[l][r]``: row
         r's (K, V) buffers of layer l, reserved for its position ``pos[r]``, for every
         layer after ``l0`` (None before), all float32 or all float16. ``rope``: (cos,
-        sin) covering every position. Returns (the layer reached, trail): l < L, the rows stopped before that layer's MoE
-        (``l0``: nothing ran), or L, h holding the last layer's output; trail [L, T, K]
-        the routing of each layer entered after ``l0``."""
+        sin) covering every position. Returns (the layer reached, trail): l < L, the rows
+        stopped before that layer's MoE (``l0``: nothing ran), or L, h holding the last
+        layer's output; trail [L, T, K] the routing of each layer entered after ``l0``."""
         lib = native.library()
         T, D = h.shape
         H, G, dh = self.heads

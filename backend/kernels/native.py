@@ -562,10 +562,10 @@ def attention(
     same), with ``pos[r]`` < cap, holding its keys and values at positions before
     ``pos[r]``. Writes row r's key and value at ``pos[r]`` (into float16 buffers rounded
     as torch rounds), then returns out [T, H * dh]: per head, softmax(q . K[:pos+1] *
-    scale) V[:pos+1], query head h reading kv head h // (H / G); with a sliding ``window`` > 0,
-    over the last ``window`` positions only. Each row is computed on its own,
-    in chunks of positions merged in order: its result does not depend on its batch-mates
-    or on the number of threads. None where the kernels are unavailable or do not take
+    scale) V[:pos+1], query head h reading kv head h // (H / G); with a sliding ``window``
+    > 0, over the last ``window`` positions only. Each row is computed on its own, in
+    chunks of positions merged in order: its result does not depend on its batch-mates or
+    on the number of threads. None where the kernels are unavailable or do not take
     these arguments (the caller's buffers are then untouched)."""
     lib = library()
     if lib is None or q.dim() != 3 or k.dim() != 3:
