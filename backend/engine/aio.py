@@ -20,7 +20,7 @@ import logging
 import os
 import platform
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,9 @@ class _Event(ctypes.Structure):
     ]
 
 
-@dataclass(frozen=True)
-class Read:
+class Read(NamedTuple):
     """Read ``length`` bytes of ``fd`` at ``offset`` into memory at ``address``; ``tag``
-    comes back with the result."""
+    comes back with the result. (A tuple: the link makes three for every expert.)"""
 
     tag: int
     fd: int

@@ -77,8 +77,11 @@ class Fetcher:
             self._staging = store.alloc_slots(1, pin_memory=self._cuda)[0]
         if self._cuda:
             self._stream = torch.cuda.Stream(device=slots.device)
+        # Each slot as a view, and where queued reads go: taken once, not on every fetch.
+        self._rows = slots.unbind(0)
         self._aio = None
         if use_aio and not self._cuda and decode is None and getattr(store, "direct", False):
+            self._addresses = [store.slot_address(row) for row in self._rows]
             self._aio = aio.open_reads(3 * QUEUED_EXPERTS)
         self._flights: dict[int, _Flight] = {}
         self._last_end = 0.0
@@ -174,7 +177,7 @@ class Fetcher:
         now = time.perf_counter()
         for _, seq, key, ref, slot, prefetch in batch:
             try:
-                parts = self.store.direct_reads(ref, self.slots[slot])
+                parts = self.store.reads_at(ref, self._addresses[slot])
             except Exception as exc:
                 self.on_done(key, None, f"reading expert {key} failed: {exc}")
                 continue
@@ -212,7 +215,7 @@ class Fetcher:
             self._queue(batch)
         for f in landed:
             try:
-                self.store.finish_reads(f.ref, self.slots[f.slot], f.results)
+                self.store.finish_reads(f.ref, self._rows[f.slot], f.results)
                 layout = self.store.layout(f.ref)
             except Exception as exc:
                 self.on_done(f.key, None, f"reading expert {f.key} failed: {exc}")
@@ -253,7 +256,7 @@ class Fetcher:
         if self.decode is not None:
             return self._fetch_decoded(ref, slot, layout)
         if not self._cuda:
-            self.store.read_into(ref, self.slots[slot])
+            self.store.read_into(ref, self._rows[slot])
             return layout
         self.store.read_into(ref, self._staging)
         with torch.cuda.stream(self._stream):
@@ -267,7 +270,7 @@ class Fetcher:
         self, ref: ExpertRef, slot: int, layout: tuple[int, int, int]
     ) -> tuple[int, int, int]:
         self.store.read_into(ref, self._staging)
-        row = self.slots[slot]
+        row = self._rows[slot]
         offsets = []
         start = 0
         with torch.cuda.stream(self._stream) if self._cuda else nullcontext():

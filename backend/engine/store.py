@@ -179,14 +179,25 @@ class SSDStore(ExpertStore):
             raise
         # False if any file fell back to buffered reads (+ FADV_DONTNEED after each read).
         self.direct = all(self._direct.values())
+        # Each expert's reads (fd, position in the slot, length, file start) and layout,
+        # worked out on its first fetch: the link asks for them on every fetch.
+        self._plans: dict[tuple[int, int], tuple[tuple, Layout]] = {}
         self.slot_bytes = max(
             (sum(_aligned_range(p)[1] for p in e.parts) for layer in experts for e in layer),
             default=0,
         )
 
     def layout(self, ref: ExpertRef) -> Layout:
-        gate, up, down = (pos + part.offset - start for part, start, _, pos in self._ranges(ref))
-        return gate, up, down
+        return self._plan(ref)[1]
+
+    def _plan(self, ref: ExpertRef) -> tuple[tuple, Layout]:
+        plan = self._plans.get((ref.layer, ref.expert))
+        if plan is None:
+            ranges = self._ranges(ref)
+            gate, up, down = (pos + part.offset - start for part, start, _, pos in ranges)
+            reads = tuple((self._fds[p.path], pos, n, start) for p, start, n, pos in ranges)
+            plan = self._plans[(ref.layer, ref.expert)] = (reads, (gate, up, down))
+        return plan
 
     def _ranges(self, ref: ExpertRef) -> list[tuple[TensorRef, int, int, int]]:
         """(part, file start, length, position in the slot) of each aligned read."""
@@ -217,15 +228,23 @@ class SSDStore(ExpertStore):
         """(fd, address, length, file offset) of the reads that fill ``slot`` with ``ref``,
         for a caller that queues them itself (``backend.engine.aio``); then call ``finish_reads``.
         The slot must stay alive until they complete."""
-        base = self._check_slot(slot).data_ptr()
-        return [
-            (self._fds[part.path], base + pos, length, start)
-            for part, start, length, pos in self._ranges(ref)
-        ]
+        return self.reads_at(ref, self.slot_address(slot))
+
+    def slot_address(self, slot: torch.Tensor) -> int:
+        """The address of ``slot`` for ``reads_at``, once it is checked to take reads."""
+        return self._check_slot(slot).data_ptr()
+
+    def reads_at(self, ref: ExpertRef, address: int) -> list[tuple[int, int, int, int]]:
+        """``direct_reads`` into the slot at ``address`` (from ``slot_address``)."""
+        return [(fd, address + pos, n, start) for fd, pos, n, start in self._plan(ref)[0]]
 
     def finish_reads(self, ref: ExpertRef, slot: torch.Tensor, results: list[int]) -> int:
         """Check queued reads' results (bytes read, or -errno): a short read is completed
-        (or zero-filled at the end of the file) the way ``read_into`` does it."""
+        (or zero-filled at the end of the file) the way ``read_into`` does it, the only
+        case that touches ``slot``."""
+        reads = self._plan(ref)[0]
+        if all(got == r[2] for got, r in zip(results, reads, strict=True)):
+            return sum(results)  # the usual case: every read whole
         total = 0
         for (part, start, length, pos), got in zip(self._ranges(ref), results, strict=True):
             if got < 0:

@@ -137,6 +137,27 @@ def test_unaligned_slot_is_refused_by_o_direct(tiny_gguf: Path) -> None:
         unaligned = store.alloc_slots(2).view(-1)[1 : 1 + store.slot_bytes]
         with pytest.raises(ValueError, match="aligned"):
             store.read_into(flat(experts)[0], unaligned)
+        with pytest.raises(ValueError, match="aligned"):
+            store.slot_address(unaligned)  # the link's check, once per slot
+
+
+def test_the_links_reads_at_a_slot_address_are_the_direct_reads(tiny_gguf: Path) -> None:
+    """The link asks each slot's address once (``slot_address``) and each expert's reads
+    by address on every fetch (``reads_at``): the same reads as ``direct_reads``, every
+    expert, every slot; and a whole result needs no slot (the short-read path does)."""
+    experts = flat(all_refs(tiny_gguf))
+    with SSDStore(all_refs(tiny_gguf)) as store:
+        if not store.direct:
+            pytest.skip("this filesystem has no O_DIRECT")
+        slots = store.alloc_slots(3)
+        for i, ref in enumerate(experts):
+            slot = slots[i % 3]
+            want = store.direct_reads(ref, slot)
+            assert store.reads_at(ref, store.slot_address(slot)) == want
+            assert [start for *_, start in want] == [p.offset - p.offset % ALIGN for p in ref.parts]
+            assert store.finish_reads(ref, None, [n for _, _, n, _ in want]) == sum(
+                n for _, _, n, _ in want
+            )
 
 
 def test_unknown_tier() -> None:
