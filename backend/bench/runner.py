@@ -39,7 +39,7 @@ RATE_NOTE = (
     "tok/s: decoding, from the moment every request has its first token; all tok/s: "
     "every token over the whole run, prompts included (the same work for every policy)."
 )
-LINK_NOTE = "Link time: the read from the store (O_DIRECT from the model file for --storage ssd, a RAM copy for host), the decode if any, and the copy to the device on CUDA."
+LINK_NOTE = "Link time: the read from the store (O_DIRECT from the model file for --storage ssd, a RAM copy for host), the decode if any, and the copy to the device on CUDA. link CPU ms: the link thread's CPU time per fetch, which on few cores compute does not get."
 
 
 @dataclass(frozen=True)
@@ -135,13 +135,16 @@ def run_once(
                     s.misses,
                     eng.telemetry.fetched,
                     sum(len(t) for t in tokens.values()),
+                    eng.fetcher.cpu_s(),
                 )
     except BaseException:
         eng.close()
         raise
     t_end = time.perf_counter()
+    link_cpu = eng.fetcher.cpu_s()
     assert mark is not None
-    t0, hits0, misses0, fetched0, tok0 = mark
+    t0, hits0, misses0, fetched0, tok0, link_cpu0 = mark
+    fetched = eng.telemetry.fetched - fetched0
     window = eng.telemetry.window(t0, t_end)
     n_decode = sum(len(t) for t in tokens.values()) - tok0
     steps = n_decode / len(prompts)
@@ -155,7 +158,10 @@ def run_once(
         "wall_s": window["wall_s"],
         "both_busy_frac": window["both_busy_frac"],
         "compute_wait_frac": window["compute_wait_frac"],
-        "fetched_per_step": (eng.telemetry.fetched - fetched0) / steps if steps else 0.0,
+        "fetched_per_step": fetched / steps if steps else 0.0,
+        "link_cpu_ms_per_fetch": None
+        if link_cpu is None or link_cpu0 is None or not fetched
+        else 1000 * (link_cpu - link_cpu0) / fetched,
         "hit_rate": (s.hits - hits0) / lookups if lookups else 0.0,
         "unused_prefetch": eng.prefetcher.unused_fraction() if eng.prefetcher else 0.0,
         "step_over_bound": window["wall_s"]
@@ -317,6 +323,7 @@ def format_tables(records: list[dict]) -> str:
         "all x sync",
         "compute s",
         "link s",
+        "link CPU ms",
         "both %",
         "wait %",
         "fetch/step",
@@ -342,6 +349,7 @@ def format_tables(records: list[dict]) -> str:
                     ratio(r["overall_ratio_to_sync"]),
                     f"{r['compute_busy_s']:.1f}",
                     f"{r['link_busy_s']:.1f}",
+                    ratio(r.get("link_cpu_ms_per_fetch")),
                     f"{100 * r['both_busy_frac']:.0f}",
                     f"{100 * r['compute_wait_frac']:.0f}",
                     f"{r['fetched_per_step']:.1f}",

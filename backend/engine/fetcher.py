@@ -111,6 +111,17 @@ class Fetcher:
         never fell back to one part at a time."""
         return self._aio is not None
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds the link thread has used so far, user and system (reads queued,
+        pages faulted in, bookkeeping); None once it has ended or where the platform
+        does not say (``time.pthread_getcpuclockid``)."""
+        if not self._thread.is_alive():  # an ended thread's id names no clock
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (AttributeError, OSError, TypeError):
+            return None
+
     def close(self) -> None:
         with self._cv:
             self._closed = True

@@ -46,13 +46,17 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
         # memory: the process peak holds at least what the engine held, which the budget bounds
         assert r["peak_rss_mib"] >= r["peak_engine_mib"] > 0
         assert r["cache_budget_mib"] > 0
+        # the link thread's CPU a fetch in the decoding window (where the platform says)
+        cpu = r["link_cpu_ms_per_fetch"]
+        if r["fetched_per_step"] and sys.platform.startswith("linux"):
+            assert 0 < cpu < 1000
         # the median request's first token comes no later than the last request's
         assert 0 < r["first_token_p50_s"] <= r["prefill_s"]
     sync = [r for r in records if r["policy"] == "sync"]
     assert all(r["ratio_to_sync"] == 1.0 == r["overall_ratio_to_sync"] for r in sync)
     table = format_tables(records)
     assert "agentic, 3 requests, cache 30%" in table and "stored (quantized) bytes" in table
-    assert "peak MiB" in table and "all x sync" in table
+    assert "peak MiB" in table and "all x sync" in table and "link CPU ms" in table
     # benchmarks/targets.py reads these records: one verdict line per check, each config named
     assert all(r["eviction"] == "lfu" for r in records)
     text, _ = targets.report(records)

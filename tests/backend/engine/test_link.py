@@ -6,6 +6,7 @@ import errno
 import os
 import queue
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,29 @@ def test_closing_with_reads_queued_reports_every_fetch(model_file: Path) -> None
     assert set(reported) == {(r.layer, r.expert) for r in refs}
     # Reads already queued land; the rest are reported as not done.
     assert all(e is None or "shutting down" in e for e in reported.values())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread CPU clocks: Linux")
+def test_the_links_cpu_time_is_read_from_its_own_thread(model_file: Path) -> None:
+    """``cpu_s`` (``bevy bench``'s link CPU a fetch) is the link thread's CPU clock, read
+    from another thread: it grows as the link reads, and says nothing once it ended."""
+    refs = [e for layer in inspect_model(model_file).experts for e in layer][:4]
+    with open_direct(model_file) as store:
+        done: queue.Queue = queue.Queue()
+        fetcher = Fetcher(store, store.alloc_slots(4), Telemetry(), lambda k, lay, e: done.put(e))
+        try:
+            before = fetcher.cpu_s()
+            for i, ref in enumerate(refs):
+                fetcher.submit((0, i), (ref.layer, ref.expert), ref, i)
+            assert [done.get(timeout=30) for _ in refs] == [None] * 4
+            after = fetcher.cpu_s()
+            # this thread's own work is not the link's: the idle link's clock stands still
+            spin = time.thread_time()
+            while time.thread_time() - spin < 0.2:
+                pass
+            idle = fetcher.cpu_s()
+        finally:
+            fetcher.close()
+    assert before is not None and after is not None and after > before
+    assert idle is not None and idle - after < 0.05
+    assert fetcher.cpu_s() is None
