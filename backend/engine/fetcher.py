@@ -119,7 +119,7 @@ class Fetcher:
             return None
         try:
             return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
-        except (AttributeError, OSError, TypeError):
+        except (AttributeError, OSError):  # no such call here, or no clock for it
             return None
 
     def close(self) -> None:
