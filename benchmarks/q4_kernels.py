@@ -17,7 +17,7 @@ Q4_0/Q4_1 expert in its slot as the slot fills), checking that the two give the
 same bits (both read x rounded to 8 bits per block of 32, as ggml's CPU kernels do);
 with ``--decode``, the engine with and without packing. ``--pack`` times the packing itself
 (``native.pack`` of an expert's three parts, fresh copies out of the CPU's caches) on one
-thread and on ``--threads``.
+thread and on ``--threads``, with ``--against`` for both builds (the same bytes checked).
 
 ``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
 ``--storage ssd``), each policy with each build in turn, and prints decode tokens/s: the
@@ -122,7 +122,7 @@ def main() -> int:
         return decode(builds, args)
     parts, hidden = k_experts(args.kind, EXPERTS) if args.kind else (experts(EXPERTS), HIDDEN)
     if args.pack:
-        return pack_times(parts, args)
+        return pack_times(parts, builds, args)
     # name -> (library, experts, which of each expert's parts are packed)
     plain = [(False,) * 3] * len(parts)
     variants = {name: (lib, parts, plain) for name, lib in builds.items()}
@@ -179,14 +179,18 @@ def main() -> int:
     return 0
 
 
-def pack_times(parts: list[tuple], args: argparse.Namespace) -> int:
+def pack_times(parts: list[tuple], builds: dict, args: argparse.Namespace) -> int:
     """Milliseconds per expert to pack its parts, on one thread and on ``args.threads``,
-    alternating between rounds; each round packs fresh copies of all the experts."""
+    with each build (``--against``), alternating between rounds; each round packs fresh
+    copies of all the experts, and every build's packed bytes must be the same."""
     counts = sorted({1, args.threads})
-    times: dict[int, list[float]] = {t: [] for t in counts}
+    runs = [(name, t) for name in builds for t in counts]
+    times: dict[tuple[str, int], list[float]] = {run: [] for run in runs}
     for rnd in range(args.rounds):
-        for t in counts if rnd % 2 == 0 else reversed(counts):
+        packed = {}
+        for name, t in runs if rnd % 2 == 0 else reversed(runs):
             copies = [[raw.clone() for raw, _, _ in expert] for expert in parts]
+            native._lib, native._tried = builds[name], True  # library() keeps it
             torch.set_num_threads(t)
             start = time.perf_counter()
             for expert, mine in zip(parts, copies, strict=True):
@@ -194,11 +198,16 @@ def pack_times(parts: list[tuple], args: argparse.Namespace) -> int:
                     if not native.pack(c, q, s):
                         print(f"{q.name} {s} does not pack (Q4_0 / Q4_1 only)", file=sys.stderr)
                         return 1
-            times[t].append((time.perf_counter() - start) / len(parts))
+            times[(name, t)].append((time.perf_counter() - start) / len(parts))
+            packed.setdefault(name, copies)
+        first, *others = packed.values()
+        if any(not all(map(torch.equal, sum(first, []), sum(o, []))) for o in others):
+            print(f"{' and '.join(builds)} pack to different bytes", file=sys.stderr)
+            return 1
     torch.set_num_threads(args.threads)
     print(f"packing one expert ({len(parts)} in turn), median of {args.rounds}")
-    for t in counts:
-        print(f"{t} thread(s): {1e3 * statistics.median(times[t]):.3f} ms")
+    for name, t in runs:
+        print(f"{name}, {t} thread(s): {1e3 * statistics.median(times[(name, t)]):.3f} ms")
     return 0
 
 

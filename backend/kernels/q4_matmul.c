@@ -1275,15 +1275,52 @@ int bevy_f32_linear(const float *w, const float *x, float *y, int M, int N, int 
     return 0;
 }
 
+/* Block b of 16 weight rows as stored (blk: row 0's block, `row` bytes to the next row's)
+   into their packed block at c: the 16 f16 d (then Q4_1's 16 m), then the quant bytes as
+   four runs of 64, run j holding bytes 4j .. 4j + 3 of each row in row order. In whole
+   vectors: with a copy per scale and per 4-byte word, packing bytes already in the CPU's
+   cache took four times a memcpy of them, bound by its loads and stores rather than by
+   memory (docs/performance.md). Four rows at a time: their four quant words transposed
+   (unpack 32 then 64), their first four bytes (d, and Q4_1's m) split into d's and m's. */
+static inline void pack_block(const uint8_t *blk, size_t row, int q4_1, uint8_t *c) {
+    const int hs = q4_1 ? 4 : 2;
+    /* each row's first dword (d | m << 16) to its d's (low 8 bytes) and m's (high 8) */
+    const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    __m128i heads[4];
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *r0 = blk + (size_t)(4 * i) * row;
+        int32_t h[4];
+        for (int r = 0; r < 4; r++) memcpy(&h[r], r0 + (size_t)r * row, 4);
+        heads[i] = _mm_shuffle_epi8(_mm_setr_epi32(h[0], h[1], h[2], h[3]), halves);
+        const __m128i a0 = _mm_loadu_si128((const __m128i *)(r0 + hs));
+        const __m128i a1 = _mm_loadu_si128((const __m128i *)(r0 + row + hs));
+        const __m128i a2 = _mm_loadu_si128((const __m128i *)(r0 + 2 * row + hs));
+        const __m128i a3 = _mm_loadu_si128((const __m128i *)(r0 + 3 * row + hs));
+        const __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpackhi_epi32(a0, a1);
+        const __m128i t2 = _mm_unpacklo_epi32(a2, a3), t3 = _mm_unpackhi_epi32(a2, a3);
+        uint8_t *q = c + 16 * hs + 16 * i;
+        _mm_storeu_si128((__m128i *)q, _mm_unpacklo_epi64(t0, t2));
+        _mm_storeu_si128((__m128i *)(q + 64), _mm_unpackhi_epi64(t0, t2));
+        _mm_storeu_si128((__m128i *)(q + 128), _mm_unpacklo_epi64(t1, t3));
+        _mm_storeu_si128((__m128i *)(q + 192), _mm_unpackhi_epi64(t1, t3));
+    }
+    _mm_storeu_si128((__m128i *)c, _mm_unpacklo_epi64(heads[0], heads[1]));
+    _mm_storeu_si128((__m128i *)(c + 16), _mm_unpacklo_epi64(heads[2], heads[3]));
+    if (q4_1) {
+        _mm_storeu_si128((__m128i *)(c + 32), _mm_unpackhi_epi64(heads[0], heads[1]));
+        _mm_storeu_si128((__m128i *)(c + 48), _mm_unpackhi_epi64(heads[2], heads[3]));
+    }
+}
+
 /* Q4_0 (type 0) or Q4_1 (type 1) weights [n, k] as stored, packed in place by 16 rows for
    the packed kernels (q4p_cols: the same bytes, reordered within each group of 16 rows).
    Returns the packed type code for q4_cols; -1 where the type or shape does not pack (n a
    multiple of 16, k of 32), or memory runs out. The groups are shared out on `threads`
-   threads: a pass over bytes fresh from the disk is bound by one core's memory bandwidth,
-   and the engine packs each expert on its own thread as the read lands, between products. */
+   threads: the engine packs each expert on its own thread as the read lands, between
+   products, and two cores read bytes fresh from the disk faster than one. */
 int bevy_q4_pack(uint8_t *w, int type, int n, int k, int threads) {
     if ((type != 0 && type != 1) || n % 16 || k % 32 || n <= 0) return -1;
-    const int nb = k / 32, bs = type ? 20 : 18, hs = type ? 4 : 2;
+    const int nb = k / 32, bs = type ? 20 : 18;
     const size_t group = (size_t)16 * nb * bs;
     const int groups = n / 16;
     int chunks = threads > 1 ? threads : 1;
@@ -1296,15 +1333,8 @@ int bevy_q4_pack(uint8_t *w, int type, int n, int k, int threads) {
         for (int g = groups * t / chunks; g < groups * (t + 1) / chunks; g++) {
             uint8_t *dst = w + (size_t)g * group;
             memcpy(own, dst, group); /* rows 16g .. 16g + 15 as stored: the group's own bytes */
-            for (int b = 0; b < nb; b++) {
-                uint8_t *c = dst + (size_t)b * 16 * bs;
-                for (int r = 0; r < 16; r++) {
-                    const uint8_t *blk = own + ((size_t)r * nb + b) * bs;
-                    memcpy(c + 2 * r, blk, 2);
-                    if (type) memcpy(c + 32 + 2 * r, blk + 2, 2);
-                    for (int j = 0; j < 4; j++) memcpy(c + 16 * hs + 64 * j + 4 * r, blk + hs + 4 * j, 4);
-                }
-            }
+            for (int b = 0; b < nb; b++)
+                pack_block(own + (size_t)b * bs, (size_t)nb * bs, type, dst + (size_t)b * 16 * bs);
         }
     }
     free(tmp);
