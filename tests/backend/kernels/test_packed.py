@@ -40,6 +40,30 @@ def test_packing_reorders_the_bytes_and_unpacking_restores_them(lib, monkeypatch
     assert torch.equal(native.unpack(packed, qtype, (n, HIDDEN)), raw)
 
 
+def _layout(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
+    """The packed layout written out in torch (as ``bevy_q4_pack`` documents it): per
+    group of 16 rows and per block, the 16 rows' f16 d, then Q4_1's 16 m, then the quant
+    bytes in four runs of 64, run j holding bytes 4j .. 4j + 3 of each row in row order."""
+    bs, hs = (20, 4) if qtype == QType.Q4_1 else (18, 2)
+    nb = k // 32
+    # [group, block, row, byte]
+    blocks = raw.view(n // 16, 16, nb, bs).permute(0, 2, 1, 3)
+    scales = [blocks[..., 2 * i : 2 * i + 2].reshape(n // 16, nb, 32) for i in range(hs // 2)]
+    words = blocks[..., hs:].reshape(n // 16, nb, 16, 4, 4).transpose(2, 3)
+    return torch.cat([*scales, words.reshape(n // 16, nb, 256)], dim=-1).reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
+@pytest.mark.parametrize("k", [32, HIDDEN, INNER, 576])
+def test_packing_gives_the_documented_layout(lib, monkeypatch, qtype, k):
+    """Against the layout written out in torch, for rows of one block and more (an odd
+    number of them too): the vector moves land every byte where the kernels read it."""
+    monkeypatch.setattr(native, "_lib", lib)
+    n = 48
+    raw = random_blocks(qtype, n, k, seed=k)
+    assert torch.equal(_packed(raw, qtype, (n, k)), _layout(raw, qtype, n, k))
+
+
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q4_0])
 def test_packing_on_any_number_of_threads_gives_the_same_bytes(lib, monkeypatch, qtype):
     """The groups of 16 rows are shared out on torch's threads: one thread, a split with
