@@ -49,6 +49,7 @@ to ~1e-6 (exp by a polynomial within ~2 ulp).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import logging
@@ -477,7 +478,7 @@ def moe(
         len(weights) != 3 * len(types)
         or len(counts) != len(types)
         or sum(counts) != len(routes)
-        or any(not 0 <= i < n for i in routes)
+        or (routes and not 0 <= min(routes) <= max(routes) < n)
         or not 0 <= sum_rows <= x.shape[0]
     ):
         raise ValueError("native MoE: experts, counts, routes and rows do not agree")
@@ -494,12 +495,15 @@ def moe(
         y = into
     parts = torch.empty(len(routes) if sum_rows < x.shape[0] else 0, hidden, dtype=torch.float32)
     if routes:
+        # array.array: a ctypes array of each length is a new type to make each call
+        args = array.array("Q", weights), array.array("i", types), array.array("i", counts)
+        at = array.array("i", routes)
         rc = lib.bevy_q4_moe(
-            (ctypes.c_uint64 * len(weights))(*weights),
-            (ctypes.c_int * len(types))(*types),
-            (ctypes.c_int * len(counts))(*counts),
+            args[0].buffer_info()[0],
+            args[1].buffer_info()[0],
+            args[2].buffer_info()[0],
             len(types),
-            (ctypes.c_int * len(routes))(*routes),
+            at.buffer_info()[0],
             route_w.data_ptr(),
             k,
             x.data_ptr(),

@@ -336,6 +336,8 @@ def test_moe_refuses_arguments_that_do_not_agree():
     with pytest.raises(ValueError):
         native.moe(weights, types, counts, [*routes[:-1], w.numel()], x, w, INNER, HIDDEN)
     with pytest.raises(ValueError):
+        native.moe(weights, types, counts, [-1, *routes[1:]], x, w, INNER, HIDDEN)
+    with pytest.raises(ValueError):
         native.moe(weights, types, [*counts[:-1], counts[-1] + 1], routes, x, w, INNER, HIDDEN)
     with pytest.raises(ValueError):
         native.moe(weights, types, counts, routes, x, w, INNER, HIDDEN, sum_rows=4)
