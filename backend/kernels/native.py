@@ -495,7 +495,7 @@ def moe(
         y = into
     parts = torch.empty(len(routes) if sum_rows < x.shape[0] else 0, hidden, dtype=torch.float32)
     if routes:
-        # array.array: a ctypes array of each length is a new type to make each call
+        # array.array takes each list whole; a ctypes array converts it item by item
         args = array.array("Q", weights), array.array("i", types), array.array("i", counts)
         at = array.array("i", routes)
         rc = lib.bevy_q4_moe(
