@@ -2,9 +2,10 @@
 
 On CPU (and MPS's unified memory) the store reads straight into the slot. From an SSD
 store on Linux the link keeps the next few experts' part reads queued in the kernel at
-once (native AIO, ``backend.engine.aio``): the SSD sees several reads, and the link thread
-wakes once per expert and queues the next one's reads before it handles the one that
-landed. On CUDA it reads into pinned staging memory, then copies to the device slot on a
+once (native AIO): the SSD sees several reads, and the next expert's reads are queued
+before the one that landed is handled. Where the C loop builds (``backend.kernels.link``)
+a thread of its own queues them without the GIL and the link's Python thread only takes
+the landed experts; else the link thread does both in Python (``backend.engine.aio``). On CUDA it reads into pinned staging memory, then copies to the device slot on a
 dedicated copy stream, so copies overlap kernels on the compute stream. Every
 busy interval is recorded (intervals never overlap: with reads queued together, an
 expert's interval starts when the previous one ended).
@@ -25,6 +26,7 @@ import torch
 
 from backend.engine import aio
 from backend.engine.telemetry import Telemetry
+from backend.kernels import link as native_link
 from backend.models.weights import ExpertRef, dequantize_slot
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,10 @@ class Fetcher:
         on_done: Done,
         decode: torch.dtype | None = None,
         use_aio: bool = True,
+        native: bool = True,
     ) -> None:
+        """``use_aio``: queue reads through native AIO where the store reads with O_DIRECT;
+        ``native``: with the C loop where it builds (else the Python one)."""
         self.store = store
         self.slots = slots
         self.telemetry = telemetry
@@ -80,13 +85,24 @@ class Fetcher:
         # Each slot as a view, and where queued reads go: taken once, not on every fetch.
         self._rows = slots.unbind(0)
         self._aio = None
+        self._native: native_link.Link | None = None
         if use_aio and not self._cuda and decode is None and getattr(store, "direct", False):
             self._addresses = [store.slot_address(row) for row in self._rows]
-            self._aio = aio.open_reads(3 * QUEUED_EXPERTS)
+            self._native = native_link.open_link(QUEUED_EXPERTS) if native else None
+            if self._native is None:
+                self._aio = aio.open_reads(3 * QUEUED_EXPERTS)
         self._flights: dict[int, _Flight] = {}
+        # The C loop's fetches not reported yet, by tag: key, ref, slot, prefetch, reads.
+        self._submitted: dict[int, tuple[tuple[int, int], ExpertRef, int, bool, int]] = {}
         self._last_end = 0.0
         self._thread = threading.Thread(target=self._run, name="bevy-link", daemon=True)
         self._thread.start()
+        if self._native is not None:
+            try:
+                self._native.start()
+            except OSError:
+                self.close()
+                raise
 
     def submit(
         self,
@@ -96,12 +112,32 @@ class Fetcher:
         slot: int,
         prefetch: bool = False,
     ) -> None:
+        if self._native is not None:
+            self._submit_native(priority, key, ref, slot, prefetch)
+            return
         with self._cv:
             heapq.heappush(self._heap, (priority, next(self._seq), key, ref, slot, prefetch))
             self._cv.notify()
 
+    def _submit_native(
+        self, priority: tuple, key: tuple[int, int], ref: ExpertRef, slot: int, prefetch: bool
+    ) -> None:
+        tag = next(self._seq)
+        try:
+            parts = self.store.reads_at(ref, self._addresses[slot])
+        except Exception as exc:
+            self.on_done(key, None, f"reading expert {key} failed: {exc}")
+            return
+        # Known before the loop can land it: the link's thread looks it up by its tag.
+        self._submitted[tag] = (key, ref, slot, prefetch, len(parts))
+        closed = not self._native.submit(priority, tag, parts)
+        if closed and self._submitted.pop(tag, None) is not None:
+            self.on_done(key, None, "engine shutting down")
+
     @property
     def queued(self) -> int:
+        if self._native is not None:
+            return self._native.queued
         with self._cv:
             return len(self._heap)
 
@@ -109,6 +145,8 @@ class Fetcher:
     def batched(self) -> bool:
         """Whether reads are queued in the kernel several at a time (native AIO) and
         never fell back to one part at a time."""
+        if self._native is not None:
+            return self._native.batched
         return self._aio is not None
 
     def cpu_s(self) -> float | None:
@@ -118,15 +156,23 @@ class Fetcher:
         if not self._thread.is_alive():  # an ended thread's id names no clock
             return None
         try:
-            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+            own = time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
         except (AttributeError, OSError):  # no such call here, or no clock for it
             return None
+        if self._native is None:
+            return own
+        loop = self._native.cpu_s()  # the C loop's thread: reads queued and waited for
+        return None if loop is None else own + loop
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify()
+        if self._native is not None:
+            self._native.close()  # the queued reads land; the link's thread takes them
         self._thread.join(timeout=10)
+        if self._native is not None and not self._thread.is_alive():
+            self._native.free()
 
     def _run(self) -> None:
         # Decoding on the link runs beside compute: one intra-op thread here leaves the
@@ -134,7 +180,10 @@ class Fetcher:
         torch.set_num_threads(1)
         reason = "engine shutting down"
         try:
-            self._loop()
+            if self._native is not None:
+                self._take_landed()
+            else:
+                self._loop()
         except BaseException as exc:
             log.exception("the link thread stopped")
             reason = f"the link stopped: {exc}"
@@ -159,20 +208,44 @@ class Fetcher:
             if self._flights and self._aio is not None:
                 self._land()
 
+    def _take_landed(self) -> None:
+        """The C loop's landed fetches, each reported as ``_land`` reports its own."""
+        while (landed := self._native.wait()) is not None:
+            for fetch in landed:
+                self._landed(*fetch)
+
+    def _landed(self, tag: int, start: float, end: float, results: list[int]) -> None:
+        key, ref, slot, prefetch, n = self._submitted.pop(tag)
+        try:
+            self.store.finish_reads(ref, self._rows[slot], results[:n])
+            layout = self.store.layout(ref)
+        except Exception as exc:
+            self.on_done(key, None, f"reading expert {key} failed: {exc}")
+            return
+        self.telemetry.record_link(max(start, self._last_end), end, key, ref.nbytes, prefetch)
+        self._last_end = end
+        self.on_done(key, layout, None)
+
     def _abandon(self, reason: str) -> None:
         """Report every fetch not done as failed, so that its slot is freed and no job
         waits for it; queued reads are stopped first (their slots are then safe to reuse)."""
         if self._aio is not None:  # kept (closed): ``batched`` still tells how it read
             with suppress(OSError):
                 self._aio.close()
+        if self._native is not None:
+            # Closed, its thread ended: no read of it can land any more.
+            self._native.close()
         with self._cv:
             self._closed = True
             pending, self._heap = self._heap, []
         flights, self._flights = self._flights, {}
+        submitted, self._submitted = self._submitted, {}
         for f in flights.values():
             self.on_done(f.key, None, reason)
         for item in pending:
             self.on_done(item[2], None, reason)
+        for key, *_ in submitted.values():
+            self.on_done(key, None, reason)
 
     def _next_batch(self) -> list:
         """The fetches to start now, highest priority first (call holding ``_cv``)."""

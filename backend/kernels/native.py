@@ -73,6 +73,8 @@ HERE = Path(__file__).parent
 # go into the build's key too: an edit to a header builds the library again).
 SOURCES = ("q4_matmul.c", "attention.c", "decode.c")
 HEADERS = ("simd.h", "kernels.h")
+# Files here that build a library of their own: the link's loop (``link.py``).
+NOT_KERNELS = ("link.c", "link.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _BLOCK_BYTES = {QType.Q4_0: 18, QType.Q4_1: 20}
 # The types ``pack`` takes, by their code for the C side's ``bevy_q4_pack``.
@@ -130,7 +132,10 @@ def sources(where: Path | None = None) -> tuple[list[Path], list[Path]]:
     if where is None:
         return [HERE / n for n in SOURCES], [HERE / n for n in HEADERS]
     if where.is_dir():
-        found = sorted(where.glob("*.c")), sorted(where.glob("*.h"))
+        found = (
+            sorted(p for p in where.glob("*.c") if p.name not in NOT_KERNELS),
+            sorted(p for p in where.glob("*.h") if p.name not in NOT_KERNELS),
+        )
         if not found[0]:
             raise OSError(f"no C sources in {where}")
         return found
@@ -146,22 +151,19 @@ def build_key(files: list[Path], flags: tuple[str, ...], cc: str) -> str:
     ).hexdigest()[:20]
 
 
-def build(
-    out_dir: Path | None = None, extra_flags: tuple[str, ...] = (), source: Path | None = None
+def compiled(
+    stem: str, srcs: list[Path], headers: list[Path], flags: tuple[str, ...], out_dir: Path | None
 ) -> ctypes.CDLL:
-    """Compile (or reuse the cached build of) the kernels and load them. Raises on failure.
-    ``source``: another tree's kernels instead of this package's (see ``sources``)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise UnsupportedCPU(f"they are written for x86-64, not {platform.machine()}")
+    """Compile ``srcs`` with the system C compiler (``$CC``, else ``cc``) into one shared
+    library, or reuse its cached build (``out_dir``, else the cache directory's
+    ``kernels``, under a name from ``build_key``), and load it. Raises OSError on failure."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc) found")
-    flags = (*FLAGS, *extra_flags)
-    srcs, headers = sources(source)
     key = build_key([*srcs, *headers], flags, cc)
     out_dir = out_dir or cache_dir() / "kernels"
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"native_q4-{key}.so"
+    path = out_dir / f"{stem}-{key}.so"
     if not path.exists():
         # Build beside the target and rename: another process never loads half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
@@ -180,10 +182,20 @@ def build(
             if os.path.exists(tmp):
                 os.unlink(tmp)
     try:
-        lib = ctypes.CDLL(str(path))  # a CDLL call releases the GIL while it runs
+        return ctypes.CDLL(str(path))  # a CDLL call releases the GIL while it runs
     except OSError:
         path.unlink(missing_ok=True)  # a damaged cache entry: built again next time
         raise
+
+
+def build(
+    out_dir: Path | None = None, extra_flags: tuple[str, ...] = (), source: Path | None = None
+) -> ctypes.CDLL:
+    """Compile (or reuse the cached build of) the kernels and load them. Raises on failure.
+    ``source``: another tree's kernels instead of this package's (see ``sources``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise UnsupportedCPU(f"they are written for x86-64, not {platform.machine()}")
+    lib = compiled("native_q4", *sources(source), (*FLAGS, *extra_flags), out_dir)
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.bevy_q4_linear.argtypes = [ptr, i32, ptr, ptr, i32, i32, i32, i32]
     lib.bevy_q4_linear.restype = i32

@@ -351,7 +351,8 @@ def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
     real = Engine._run_split
     # A link slower than compute, so that a job's experts land one by one while it waits
     # and split runs surely happen; at the real link's speed they depend on the timing.
-    for name in ("_land", "_fetch_now"):
+    # (The C loop's reads go on at the SSD's speed; each landed one is reported later.)
+    for name in ("_land", "_fetch_now", "_landed"):
         monkeypatch.setattr(Fetcher, name, _slowed(getattr(Fetcher, name)))
     results = {}
     for split in (True, False):

@@ -1,4 +1,5 @@
-"""The link with queued reads (native AIO): exact bytes, no page cache, and fallbacks."""
+"""The link with queued reads (native AIO): exact bytes, no page cache, and fallbacks, in
+the C loop (``backend.kernels.link``) and in the Python one (``native=False``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.store import ALIGN, SSDStore, dequantize_slot
 from backend.engine.telemetry import Telemetry
 from backend.formats.tensors import MappedFiles
+from backend.kernels import link
 from backend.kernels.quants import QType
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import inspect_model, load_model
@@ -34,6 +36,18 @@ def _aio_available() -> bool:
 
 needs_aio = pytest.mark.skipif(
     not _aio_available(), reason="native AIO is Linux (x86-64, arm64) only"
+)
+# Both loops where the C one builds; the Python one alone elsewhere.
+LOOPS = pytest.mark.parametrize(
+    "native",
+    [
+        pytest.param(
+            True,
+            id="c-loop",
+            marks=pytest.mark.skipif(link.library() is None, reason="no C loop here"),
+        ),
+        pytest.param(False, id="python-loop"),
+    ],
 )
 
 
@@ -56,7 +70,12 @@ def open_direct(path: Path) -> SSDStore:
 
 
 def fetch_all(
-    store: SSDStore, path: Path, n_slots: int = 5, check: bool = True, use_aio: bool = True
+    store: SSDStore,
+    path: Path,
+    n_slots: int = 5,
+    check: bool = True,
+    use_aio: bool = True,
+    native: bool = True,
 ) -> tuple[Fetcher, Telemetry, int]:
     """Fetch every expert through a Fetcher, ``n_slots`` at a time, checking each slot's
     bytes against the file (through the page cache) if ``check``; returns the (closed)
@@ -66,7 +85,12 @@ def fetch_all(
     telemetry = Telemetry()
     done: queue.Queue = queue.Queue()
     fetcher = Fetcher(
-        store, slots, telemetry, lambda k, lay, err: done.put((k, lay, err)), use_aio=use_aio
+        store,
+        slots,
+        telemetry,
+        lambda k, lay, err: done.put((k, lay, err)),
+        use_aio=use_aio,
+        native=native,
     )
     files = MappedFiles()
     try:
@@ -108,11 +132,24 @@ def test_queued_reads_land_every_expert_exactly(
 
     monkeypatch.setattr(aio.Reads, "submit", spy)
     with open_direct(model_file) as store:
-        fetcher, telemetry, n = fetch_all(store, model_file)
+        fetcher, telemetry, n = fetch_all(store, model_file, native=False)
     assert fetcher.batched
     # Several experts' parts really were queued together (not one read at a time).
     assert max(sizes) == 3 * QUEUED_EXPERTS and sum(sizes) == 3 * n
     assert len(telemetry.link) == n == telemetry.fetched
+
+
+@needs_aio
+@pytest.mark.skipif(link.library() is None, reason="no C loop here")
+def test_the_c_loop_lands_every_expert_exactly(model_file: Path) -> None:
+    with open_direct(model_file) as store:
+        fetcher, telemetry, n = fetch_all(store, model_file)
+    assert fetcher._native is not None and fetcher.batched
+    assert len(telemetry.link) == n == telemetry.fetched
+    # Busy intervals as the C loop timed them: in order, never overlapping.
+    spans = [(e.start, e.end) for e in telemetry.link]
+    assert all(a <= b for a, b in spans)
+    assert all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:], strict=False))
 
 
 @needs_aio
@@ -129,7 +166,7 @@ def test_the_next_reads_are_queued_before_a_landed_expert_is_reported(model_file
         def done(key, layout, err) -> None:
             seen.put((key, err, {f.key for f in fetcher._flights.values()}))
 
-        fetcher = Fetcher(store, slots, Telemetry(), done)
+        fetcher = Fetcher(store, slots, Telemetry(), done, native=False)
         try:
             # Every fetch is waiting before the link takes the first one (the condition's
             # lock is reentrant: submit takes it again).
@@ -147,14 +184,15 @@ def test_the_next_reads_are_queued_before_a_landed_expert_is_reported(model_file
 
 
 @needs_aio
-def test_queued_reads_bypass_the_page_cache(model_file: Path) -> None:
+@LOOPS
+def test_queued_reads_bypass_the_page_cache(model_file: Path, native: bool) -> None:
     experts = inspect_model(model_file).experts
     wanted = expert_pages(experts)
     evict(model_file)
     if resident_pages(model_file) & wanted:
         pytest.skip("the kernel did not honour POSIX_FADV_DONTNEED here")
     with open_direct(model_file) as store:
-        fetcher, _, _ = fetch_all(store, model_file, check=False)
+        fetcher, _, _ = fetch_all(store, model_file, check=False, native=native)
     assert fetcher.batched
     assert not resident_pages(model_file) & wanted, "queued reads went through the page cache"
 
@@ -184,7 +222,7 @@ def test_a_failing_queue_falls_back_without_losing_a_fetch(
 
     monkeypatch.setattr(aio.Reads, "submit", flaky)
     with open_direct(model_file) as store:
-        fetcher, telemetry, n = fetch_all(store, model_file)
+        fetcher, telemetry, n = fetch_all(store, model_file, native=False)
     assert len(calls) == 3  # the third call failed; every later fetch used preadv
     assert not fetcher.batched
     assert telemetry.fetched == n
@@ -250,13 +288,16 @@ def test_a_failing_wait_falls_back_without_losing_a_fetch(
 
     monkeypatch.setattr(aio.Reads, "wait", flaky)
     with open_direct(model_file) as store:
-        fetcher, telemetry, n = fetch_all(store, model_file)
+        fetcher, telemetry, n = fetch_all(store, model_file, native=False)
     assert not fetcher.batched
     assert telemetry.fetched == n
 
 
 @needs_aio
-def test_a_bad_read_fails_only_its_fetch(model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@LOOPS
+def test_a_bad_read_fails_only_its_fetch(
+    model_file: Path, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
     refs = [e for layer in inspect_model(model_file).experts for e in layer][:6]
     bad = (refs[2].layer, refs[2].expert)
     with open_direct(model_file) as store:
@@ -270,7 +311,11 @@ def test_a_bad_read_fails_only_its_fetch(model_file: Path, monkeypatch: pytest.M
         monkeypatch.setattr(store, "finish_reads", finish)
         done: queue.Queue = queue.Queue()
         fetcher = Fetcher(
-            store, store.alloc_slots(6), Telemetry(), lambda k, lay, e: done.put((k, e))
+            store,
+            store.alloc_slots(6),
+            Telemetry(),
+            lambda k, lay, e: done.put((k, e)),
+            native=native,
         )
         try:
             for i, ref in enumerate(refs):
@@ -284,12 +329,17 @@ def test_a_bad_read_fails_only_its_fetch(model_file: Path, monkeypatch: pytest.M
 
 
 @needs_aio
-def test_closing_with_reads_queued_reports_every_fetch(model_file: Path) -> None:
+@LOOPS
+def test_closing_with_reads_queued_reports_every_fetch(model_file: Path, native: bool) -> None:
     refs = [e for layer in inspect_model(model_file).experts for e in layer][:8]
     with open_direct(model_file) as store:
         done: queue.Queue = queue.Queue()
         fetcher = Fetcher(
-            store, store.alloc_slots(8), Telemetry(), lambda k, lay, e: done.put((k, e))
+            store,
+            store.alloc_slots(8),
+            Telemetry(),
+            lambda k, lay, e: done.put((k, e)),
+            native=native,
         )
         for i, ref in enumerate(refs):
             fetcher.submit((0, i), (ref.layer, ref.expert), ref, i)
@@ -302,13 +352,16 @@ def test_closing_with_reads_queued_reports_every_fetch(model_file: Path) -> None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread CPU clocks: Linux")
-def test_the_links_cpu_time_is_read_from_its_own_thread(model_file: Path) -> None:
+@LOOPS
+def test_the_links_cpu_time_is_read_from_its_own_thread(model_file: Path, native: bool) -> None:
     """``cpu_s`` (``bevy bench``'s link CPU a fetch) is the link thread's CPU clock, read
     from another thread: it grows as the link reads, and says nothing once it ended."""
     refs = [e for layer in inspect_model(model_file).experts for e in layer][:4]
     with open_direct(model_file) as store:
         done: queue.Queue = queue.Queue()
-        fetcher = Fetcher(store, store.alloc_slots(4), Telemetry(), lambda k, lay, e: done.put(e))
+        fetcher = Fetcher(
+            store, store.alloc_slots(4), Telemetry(), lambda k, lay, e: done.put(e), native=native
+        )
         try:
             before = fetcher.cpu_s()
             for i, ref in enumerate(refs):
