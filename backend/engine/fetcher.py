@@ -5,7 +5,8 @@ store on Linux the link keeps the next few experts' part reads queued in the ker
 once (native AIO): the SSD sees several reads, and the next expert's reads are queued
 before the one that landed is handled. Where the C loop builds (``backend.kernels.link``)
 a thread of its own queues them without the GIL and the link's Python thread only takes
-the landed experts; else the link thread does both in Python (``backend.engine.aio``). On CUDA it reads into pinned staging memory, then copies to the device slot on a
+the landed experts; else the link thread does both in Python (``backend.engine.aio``).
+On CUDA it reads into pinned staging memory, then copies to the device slot on a
 dedicated copy stream, so copies overlap kernels on the compute stream. Every
 busy interval is recorded (intervals never overlap: with reads queued together, an
 expert's interval starts when the previous one ended).
@@ -129,9 +130,13 @@ class Fetcher:
             self.on_done(key, None, f"reading expert {key} failed: {exc}")
             return
         # Known before the loop can land it: the link's thread looks it up by its tag.
-        self._submitted[tag] = (key, ref, slot, prefetch, len(parts))
-        closed = not self._native.submit(priority, tag, parts)
-        if closed and self._submitted.pop(tag, None) is not None:
+        with self._cv:
+            self._submitted[tag] = (key, ref, slot, prefetch, len(parts))
+        if self._native.submit(priority, tag, parts):
+            return
+        with self._cv:  # closing: reported here unless ``_abandon`` took it
+            taken = self._submitted.pop(tag, None) is None
+        if not taken:
             self.on_done(key, None, "engine shutting down")
 
     @property
@@ -215,7 +220,8 @@ class Fetcher:
                 self._landed(*fetch)
 
     def _landed(self, tag: int, start: float, end: float, results: list[int]) -> None:
-        key, ref, slot, prefetch, n = self._submitted.pop(tag)
+        with self._cv:
+            key, ref, slot, prefetch, n = self._submitted.pop(tag)
         try:
             self.store.finish_reads(ref, self._rows[slot], results[:n])
             layout = self.store.layout(ref)
@@ -238,8 +244,8 @@ class Fetcher:
         with self._cv:
             self._closed = True
             pending, self._heap = self._heap, []
+            submitted, self._submitted = self._submitted, {}
         flights, self._flights = self._flights, {}
-        submitted, self._submitted = self._submitted, {}
         for f in flights.values():
             self.on_done(f.key, None, reason)
         for item in pending:
