@@ -9,7 +9,10 @@ telemetry and the engine's wake-up take):
   handles the landed experts before queuing the next (``late``, the link before 6260566)
   or queues the next first (``early``, as the link does now);
 - ``fetcher``: the engine's own ``Fetcher`` at each depth (``QUEUED_EXPERTS`` patched),
-  the handling time spent in its completion callback, which runs on the link thread.
+  the handling time spent in its completion callback, which runs on the link's Python
+  thread: with its loop in C (``fetcher C``, ``backend/kernels/link.c``, where it builds;
+  the reads go on meanwhile) and in Python (``fetcher py``, the same thread queuing
+  them).
 
 ``--python-load`` adds a thread running pure Python beside the reads, as the engine's
 Python holds the GIL between its native calls (the GIL's switch interval is the engine's,
@@ -41,7 +44,10 @@ from backend.engine import aio, fetcher  # noqa: E402
 from backend.engine.loop import short_switch_interval  # noqa: E402
 from backend.engine.store import SSDStore  # noqa: E402
 from backend.engine.telemetry import Telemetry  # noqa: E402
+from backend.kernels import link as native_link  # noqa: E402
 from backend.models.loader import inspect_model  # noqa: E402
+
+KINDS = ("loop late", "loop early", "fetcher py", "fetcher C")
 
 
 def spin(seconds: float) -> None:
@@ -89,9 +95,10 @@ def loop_reads(
 
 
 def fetcher_reads(
-    store: SSDStore, refs: list, order: list[int], depth: int, handle_s: float
+    store: SSDStore, refs: list, order: list[int], depth: int, handle_s: float, native: bool
 ) -> float:
-    """Seconds per expert through the engine's ``Fetcher`` with ``depth`` experts queued."""
+    """Seconds per expert through the engine's ``Fetcher`` with ``depth`` experts queued,
+    its loop in C (``native``) or in Python."""
     saved, fetcher.QUEUED_EXPERTS = fetcher.QUEUED_EXPERTS, depth
     slots = store.alloc_slots(2 * depth + 2)
     landed: queue.Queue = queue.Queue()
@@ -100,7 +107,7 @@ def fetcher_reads(
         spin(handle_s)
         landed.put((key, err))
 
-    link = fetcher.Fetcher(store, slots, Telemetry(), done)
+    link = fetcher.Fetcher(store, slots, Telemetry(), done, native=native)
     try:
         if not link.batched:
             raise SystemExit("native AIO is not available here")
@@ -154,31 +161,33 @@ def main(argv: list[str] | None = None) -> None:
         (kind, depth, float(h))
         for h in args.handle_ms.split(",")
         for depth in map(int, args.depths.split(","))
-        for kind in ("loop late", "loop early", "fetcher")
+        for kind in KINDS
+        if kind != "fetcher C" or native_link.library() is not None
     ]
     times: dict[tuple, list[float]] = {c: [] for c in configs}
     try:
         for _ in range(args.rounds):
             for kind, depth, h in configs:
                 order = [rng.randrange(len(refs)) for _ in range(args.experts)]
-                if kind == "fetcher":
-                    s = fetcher_reads(store, refs, order, depth, h / 1e3)
+                if kind.startswith("fetcher"):
+                    s = fetcher_reads(store, refs, order, depth, h / 1e3, kind == "fetcher C")
                 else:
                     s = loop_reads(store, refs, order, depth, h / 1e3, kind == "loop early")
                 times[(kind, depth, h)].append(s * 1e3)
     finally:
         stop.set()
         store.close()
-    print(
-        f"{'handling ms':>11s} {'depth':>5s} {'loop late':>10s} {'loop early':>10s} {'fetcher':>8s}  (ms per expert)"
-    )
+    print(f"{'handling ms':>11s} {'depth':>5s}" + "".join(f" {k:>10s}" for k in KINDS))
     for h in dict.fromkeys(c[2] for c in configs):
         for depth in dict.fromkeys(c[1] for c in configs):
             row = [
-                statistics.median(times[(k, depth, h)])
-                for k in ("loop late", "loop early", "fetcher")
+                f"{statistics.median(times[(k, depth, h)]):10.3f}"
+                if (k, depth, h) in times
+                else f"{'-':>10s}"
+                for k in KINDS
             ]
-            print(f"{h:11.2f} {depth:5d} {row[0]:10.3f} {row[1]:10.3f} {row[2]:8.3f}")
+            print(f"{h:11.2f} {depth:5d} " + " ".join(row))
+    print("(ms per expert)")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 The loop is a thread of its own that keeps the next experts' reads queued in the kernel
 (Linux native AIO) and queues the next fetch, by priority, the moment one lands: the SSD
 never waits for the interpreter. In Python that step needed the GIL, which the engine's
-Python holds for up to a switch interval at a time, and on two cores the link read an
-expert in about twice the time the SSD takes (docs/performance.md, "The link's loop in
-C"). A Python thread still takes each landed fetch (``Link.wait``) for what needs the
+Python holds for up to a switch interval at a time: on two cores, with the engine busy,
+the link then read each expert markedly slower than the SSD could (docs/performance.md,
+"The link's loop in C"). A Python thread still takes each landed fetch (``Link.wait``) for what needs the
 interpreter: the results' checks, telemetry and the engine's wake-up.
 
 Built on first use with the system C compiler into the cache directory, like the kernels
