@@ -6,6 +6,7 @@ import ctypes
 import errno
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ N = 4096
 
 
 @pytest.fixture
-def data_file(tmp_path: Path) -> tuple[int, bytes]:
+def data_file(tmp_path: Path) -> Iterator[tuple[int, bytes]]:
     data = os.urandom(16 * N)
     path = tmp_path / "experts.bin"
     path.write_bytes(data)
