@@ -9,10 +9,11 @@ telemetry and the engine's wake-up take):
   handles the landed experts before queuing the next (``late``, the link before 6260566)
   or queues the next first (``early``, as the link does now);
 - ``fetcher``: the engine's own ``Fetcher`` at each depth (``QUEUED_EXPERTS`` patched),
-  the handling time spent in its completion callback, which runs on the link's Python
-  thread: with its loop in C (``fetcher C``, ``backend/kernels/link.c``, where it builds;
-  the reads go on meanwhile) and in Python (``fetcher py``, the same thread queuing
-  them).
+  the handling time spent in its completion callback: with its loop in C (``fetcher C``,
+  ``backend/kernels/link.c``, where it builds; the reads go on meanwhile), the landed
+  experts taken by the submitting thread as the engine's thread takes them
+  (``caller_takes``), and in Python (``fetcher py``, the link's Python thread queuing
+  the reads and taking what lands).
 
 ``--python-load`` adds a thread running pure Python beside the reads, as the engine's
 Python holds the GIL between its native calls (the GIL's switch interval is the engine's,
@@ -107,7 +108,7 @@ def fetcher_reads(
         spin(handle_s)
         landed.put((key, err))
 
-    link = fetcher.Fetcher(store, slots, Telemetry(), done, native=native)
+    link = fetcher.Fetcher(store, slots, Telemetry(), done, native=native, caller_takes=True)
     try:
         if not link.batched:
             raise SystemExit("native AIO is not available here")
@@ -123,6 +124,9 @@ def fetcher_reads(
                 by_key[key] = slot = free.pop()
                 link.submit((submitted,), key, ref, slot)
                 submitted += 1
+            deadline = time.monotonic() + 60
+            while link.caller_takes and landed.empty() and time.monotonic() < deadline:
+                link.take(1.0)
             key, err = landed.get(timeout=60)
             if err is not None:
                 raise SystemExit(err)

@@ -4,8 +4,9 @@ On CPU (and MPS's unified memory) the store reads straight into the slot. From a
 store on Linux the link keeps the next few experts' part reads queued in the kernel at
 once (native AIO): the SSD sees several reads, and the next expert's reads are queued
 before the one that landed is handled. Where the C loop builds (``backend.kernels.link``)
-a thread of its own queues them without the GIL and the link's Python thread only takes
-the landed experts; else the link thread does both in Python (``backend.engine.aio``).
+a thread of its own queues them without the GIL, and the landed experts are taken by the
+link's Python thread, or by the caller's (``caller_takes``: the engine's, between its
+steps); else the link thread does both in Python (``backend.engine.aio``).
 On CUDA it reads into pinned staging memory, then copies to the device slot on a
 dedicated copy stream, so copies overlap kernels on the compute stream. Every
 busy interval is recorded (intervals never overlap: with reads queued together, an
@@ -66,9 +67,12 @@ class Fetcher:
         decode: torch.dtype | None = None,
         use_aio: bool = True,
         native: bool = True,
+        caller_takes: bool = False,
     ) -> None:
         """``use_aio``: queue reads through native AIO where the store reads with O_DIRECT;
-        ``native``: with the C loop where it builds (else the Python one)."""
+        ``native``: with the C loop where it builds (else the Python one); ``caller_takes``:
+        with the C loop, no Python thread of the link's: the caller takes the landed
+        fetches (``take``; ``on_done`` is then called on its thread)."""
         self.store = store
         self.slots = slots
         self.telemetry = telemetry
@@ -96,8 +100,12 @@ class Fetcher:
         # The C loop's fetches not reported yet, by tag: key, ref, slot, prefetch, reads.
         self._submitted: dict[int, tuple[tuple[int, int], ExpertRef, int, bool, int]] = {}
         self._last_end = 0.0
-        self._thread = threading.Thread(target=self._run, name="bevy-link", daemon=True)
-        self._thread.start()
+        # Where the caller takes the landed fetches: held while it does, and to end.
+        self._taking = threading.Lock()
+        self._thread: threading.Thread | None = None
+        if self._native is None or not caller_takes:
+            self._thread = threading.Thread(target=self._run, name="bevy-link", daemon=True)
+            self._thread.start()
         if self._native is not None:
             try:
                 self._native.start()
@@ -129,7 +137,7 @@ class Fetcher:
         except Exception as exc:
             self.on_done(key, None, f"reading expert {key} failed: {exc}")
             return
-        # Known before the loop can land it: the link's thread looks it up by its tag.
+        # Known before the loop can land it: whoever takes it looks it up by its tag.
         with self._cv:
             self._submitted[tag] = (key, ref, slot, prefetch, len(parts))
         if self._native.submit(priority, tag, parts):
@@ -138,6 +146,28 @@ class Fetcher:
             taken = self._submitted.pop(tag, None) is None
         if not taken:
             self.on_done(key, None, "engine shutting down")
+
+    @property
+    def caller_takes(self) -> bool:
+        """Whether the landed fetches wait for the caller's ``take``."""
+        return self._thread is None
+
+    def take(self, timeout: float = 0.0) -> int:
+        """Where the caller takes the landed fetches: report them (``on_done``, here),
+        first waiting up to ``timeout`` seconds for one to land, or until ``wake``. How
+        many were reported; 0 elsewhere (the link's thread reports them)."""
+        if self._thread is not None:
+            return 0
+        with self._taking:
+            landed = self._native.wait(timeout)
+            for fetch in landed or ():
+                self._landed(*fetch)
+        return len(landed or ())
+
+    def wake(self) -> None:
+        """End a ``take`` waiting now, or the next one at once (any thread)."""
+        if self._thread is None:
+            self._native.wake()
 
     @property
     def queued(self) -> int:
@@ -157,7 +187,10 @@ class Fetcher:
     def cpu_s(self) -> float | None:
         """CPU seconds the link thread has used so far, user and system (reads queued,
         pages faulted in, bookkeeping); None once it has ended or where the platform
-        does not say (``time.pthread_getcpuclockid``)."""
+        does not say (``time.pthread_getcpuclockid``). Where the caller takes the landed
+        fetches, the C loop's alone: the rest is the caller's."""
+        if self._thread is None:
+            return self._native.cpu_s()
         if not self._thread.is_alive():  # an ended thread's id names no clock
             return None
         try:
@@ -174,7 +207,15 @@ class Fetcher:
             self._closed = True
             self._cv.notify()
         if self._native is not None:
-            self._native.close()  # the queued reads land; the link's thread takes them
+            self._native.close()  # the queued reads land, for the link's thread to take
+        if self._thread is None:  # or for the caller: taken here, the rest abandoned
+            with self._taking:
+                while landed := self._native.wait(0):
+                    for fetch in landed:
+                        self._landed(*fetch)
+                self._abandon("engine shutting down")
+                self._native.free()
+            return
         self._thread.join(timeout=10)
         if self._native is not None and not self._thread.is_alive():
             self._native.free()

@@ -256,6 +256,9 @@ class Engine:
             lambda k, lay, err: wake.put(_FetchDone(k, lay, err)),
             decode=dtype if fmt == "decoded" else None,
             use_aio=config.aio,
+            # This thread takes the C loop's landed experts itself (``_drain``): a thread
+            # of the link's for them woke for each one and took the GIL from this one.
+            caller_takes=True,
         )
         # Every expert, layer by layer, where each has a slot; those being read now.
         self._warm: deque[tuple[int, int]] = deque()
@@ -351,6 +354,7 @@ class Engine:
 
     def submit(self, msg: Submit | Abort | Shutdown) -> None:
         self._wake.put(msg)
+        self.fetcher.wake()  # where this thread waits in the link (``_drain``)
         self.jobs.stop.value = 1  # a walk through the layers stops for it at the next one
 
     def start(self) -> None:
@@ -445,6 +449,11 @@ class Engine:
     # --- messages -----------------------------------------------------------------------
 
     def _drain(self, block: bool, timeout: float = 0.0) -> None:
+        if self.fetcher.caller_takes:
+            # The landed experts first (reported into ``_wake``); with nothing to do, this
+            # thread waits in the link, which ``submit`` wakes for a message.
+            self.fetcher.take(timeout if block and self._wake.empty() else 0.0)
+            block = False
         try:
             msg = self._wake.get(timeout=timeout) if block else self._wake.get_nowait()
         except queue.Empty:

@@ -4,8 +4,9 @@
  * The engine submits fetches (each a priority, a tag and up to LINK_PARTS reads into its
  * slot); the loop keeps QUEUED experts' reads in the kernel, and as soon as the oldest
  * one's reads have landed it queues the next highest-priority fetch before it reports the
- * landed one. A Python thread takes the reports (bevy_link_wait) and does what needs the
- * interpreter: the results' checks, telemetry, the engine's wake-up. In Python the loop
+ * landed one. The engine's thread takes the reports between its steps (bevy_link_wait, which
+ * also blocks there while it has nothing to run) and does what needs the interpreter: the
+ * results' checks, telemetry, the cache's bookkeeping. In Python the loop
  * needed the GIL between a read landing and the next one queued, and while the engine's
  * Python held it the SSD sat idle (docs/performance.md, "The link's loop in C").
  *
@@ -52,7 +53,7 @@ struct bevy_link {
     flight_t *flights; /* only the loop thread touches these */
     int depth, n_flights;
     int64_t seq, order;
-    int closing, finished, started, aio, inited;
+    int closing, finished, started, aio, inited, woken;
     aio_context_t ctx;
     struct iocb *cbs;
     struct iocb **cbp;
@@ -281,7 +282,11 @@ bevy_link *bevy_link_open(int depth) {
     L->aio = L->inited = 1;
     pthread_mutex_init(&L->mu, NULL);
     pthread_cond_init(&L->work, NULL);
-    pthread_cond_init(&L->landed, NULL);
+    pthread_condattr_t attr; /* timed waits on CLOCK_MONOTONIC, as the reports' times */
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&L->landed, &attr);
+    pthread_condattr_destroy(&attr);
     return L;
 }
 
@@ -320,18 +325,38 @@ int bevy_link_submit(bevy_link *L, const int64_t *key, int64_t tag, int n, const
     return rc;
 }
 
-int bevy_link_wait(bevy_link *L, int64_t *out, int max) {
+int bevy_link_wait(bevy_link *L, int64_t *out, int max, int64_t timeout_ns) {
+    struct timespec until;
+    if (timeout_ns > 0) {
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        int64_t ns = until.tv_nsec + timeout_ns % 1000000000;
+        until.tv_sec += (time_t)(timeout_ns / 1000000000 + ns / 1000000000);
+        until.tv_nsec = (long)(ns % 1000000000);
+    }
     pthread_mutex_lock(&L->mu);
-    while (!L->n_done && !(L->finished || (L->closing && !L->started)))
-        pthread_cond_wait(&L->landed, &L->mu);
+    int timed_out = timeout_ns == 0;
+    while (!L->n_done && !L->woken && !timed_out && !(L->finished || (L->closing && !L->started)))
+        if (timeout_ns < 0)
+            pthread_cond_wait(&L->landed, &L->mu);
+        else
+            timed_out = pthread_cond_timedwait(&L->landed, &L->mu, &until) == ETIMEDOUT;
+    L->woken = 0;
     int n = 0;
     for (; n < max && L->n_done; n++, L->n_done--) {
         memcpy(out + (size_t)n * LINK_DONE_WORDS, L->done + (size_t)L->done_head * LINK_DONE_WORDS,
                sizeof(int64_t) * LINK_DONE_WORDS);
         L->done_head = (L->done_head + 1) % L->cap_done;
     }
+    int over = !n && (L->finished || (L->closing && !L->started));
     pthread_mutex_unlock(&L->mu);
-    return n ? n : -1;
+    return over ? -1 : n;
+}
+
+void bevy_link_wake(bevy_link *L) {
+    pthread_mutex_lock(&L->mu);
+    L->woken = 1;
+    pthread_cond_broadcast(&L->landed);
+    pthread_mutex_unlock(&L->mu);
 }
 
 int bevy_link_queued(bevy_link *L) {

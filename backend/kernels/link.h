@@ -21,9 +21,13 @@ int bevy_link_start(bevy_link *L);
 /* Queue a fetch: `key` [LINK_KEY], `reads` [n, 4] (fd, address, length, offset).
  * 0; -1 once closing (or out of memory); -2 for a bad n. Any thread. */
 int bevy_link_submit(bevy_link *L, const int64_t *key, int64_t tag, int n, const int64_t *reads);
-/* Block until fetches have landed; write up to `max` of them to `out`
- * [max, LINK_DONE_WORDS]; their number, or -1 once closed with nothing left. */
-int bevy_link_wait(bevy_link *L, int64_t *out, int max);
+/* Wait until fetches have landed, bevy_link_wake is called (once since the last wait
+ * returned) or `timeout_ns` has passed (0: do not wait; negative: no limit); write up to
+ * `max` landed fetches to `out` [max, LINK_DONE_WORDS]. Their number (0: woken or timed
+ * out), or -1 once closed with nothing left. */
+int bevy_link_wait(bevy_link *L, int64_t *out, int max, int64_t timeout_ns);
+/* End a bevy_link_wait now, or the next one at once. Any thread. */
+void bevy_link_wake(bevy_link *L);
 /* Fetches submitted and not yet started. */
 int bevy_link_queued(bevy_link *L);
 /* 1 while reads go through AIO; 0 once the loop fell back to pread. */

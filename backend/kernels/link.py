@@ -5,8 +5,9 @@ The loop is a thread of its own that keeps the next experts' reads queued in the
 never waits for the interpreter. In Python that step needed the GIL, which the engine's
 Python holds for up to a switch interval at a time: on two cores, with the engine busy,
 the link then read each expert markedly slower than the SSD could (docs/performance.md,
-"The link's loop in C"). A Python thread still takes each landed fetch (``Link.wait``) for what needs the
-interpreter: the results' checks, telemetry and the engine's wake-up.
+"The link's loop in C"). The engine's thread takes the landed fetches (``Link.wait``)
+between its steps, and waits there when it has nothing to run, for what needs the
+interpreter: the results' checks, telemetry, the cache's bookkeeping.
 
 Built on first use with the system C compiler into the cache directory, like the kernels
 (``native.compiled``), on Linux only; ``open_link`` returns None elsewhere, where it cannot
@@ -70,7 +71,8 @@ def library() -> ctypes.CDLL | None:
         lib.bevy_link_start.argtypes, lib.bevy_link_start.restype = [ptr], i32
         lib.bevy_link_submit.argtypes = [ptr, ptr, i64, i32, ptr]
         lib.bevy_link_submit.restype = i32
-        lib.bevy_link_wait.argtypes, lib.bevy_link_wait.restype = [ptr, ptr, i32], i32
+        lib.bevy_link_wait.argtypes, lib.bevy_link_wait.restype = [ptr, ptr, i32, i64], i32
+        lib.bevy_link_wake.argtypes, lib.bevy_link_wake.restype = [ptr], None
         lib.bevy_link_queued.argtypes, lib.bevy_link_queued.restype = [ptr], i32
         lib.bevy_link_batched.argtypes, lib.bevy_link_batched.restype = [ptr], i32
         lib.bevy_link_cpu_ns.argtypes, lib.bevy_link_cpu_ns.restype = [ptr], i64
@@ -81,9 +83,9 @@ def library() -> ctypes.CDLL | None:
 
 
 class Link:
-    """One loop over an AIO context for ``depth`` fetches' reads. ``submit`` from any
-    thread; ``wait`` from one thread, which takes every landed fetch; ``close`` then
-    ``free`` once ``wait`` has returned None."""
+    """One loop over an AIO context for ``depth`` fetches' reads. ``submit`` and ``wake``
+    from any thread; ``wait`` from one thread at a time, which takes the landed fetches;
+    ``close``, then ``free`` once no ``wait`` can still be called."""
 
     def __init__(self, lib: ctypes.CDLL, handle: int, depth: int) -> None:
         self._lib, self._h, self.depth = lib, handle, depth
@@ -115,13 +117,19 @@ class Link:
                 and self._lib.bevy_link_submit(self._h, key, tag, len(reads), flat) == 0
             )
 
-    def wait(self) -> list[tuple[int, float, float, list[int]]] | None:
-        """Block (GIL released) until fetches land: each one's tag, when its reads were
-        queued and when the last landed (``time.perf_counter`` seconds: the same clock) and
-        each read's bytes or -errno. None once the link is closed and every landed fetch
-        was taken."""
+    def wait(
+        self, timeout: float | None = None
+    ) -> list[tuple[int, float, float, list[int]]] | None:
+        """Wait (GIL released) until fetches land, ``wake`` is called or ``timeout``
+        seconds pass (None: no limit; 0: take what has landed); then the landed ones, none
+        if woken or timed out: each one's tag, when its reads were queued and when the
+        last landed (``time.perf_counter`` seconds: the same clock) and each read's bytes
+        or -errno. None once the link is closed and every landed fetch was taken."""
+        if not self._h:  # freed (the caller keeps ``wait`` and ``free`` apart)
+            return None
         out = self._out
-        n = self._lib.bevy_link_wait(self._h, out, len(out) // _WORDS)
+        ns = -1 if timeout is None else max(0, int(timeout * 1e9))
+        n = self._lib.bevy_link_wait(self._h, out, len(out) // _WORDS, ns)
         if n < 0:
             return None
         landed = []
@@ -129,6 +137,13 @@ class Link:
             w = out[i * _WORDS : (i + 1) * _WORDS]
             landed.append((w[0], w[1] / 1e9, w[2] / 1e9, w[3:]))
         return landed
+
+    def wake(self) -> None:
+        """End the ``wait`` under way now (it returns what has landed, maybe nothing), or
+        the next one at once."""
+        with self._guard:
+            if self._h:
+                self._lib.bevy_link_wake(self._h)
 
     @property
     def queued(self) -> int:

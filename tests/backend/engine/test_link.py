@@ -7,6 +7,7 @@ import errno
 import os
 import queue
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -378,3 +379,54 @@ def test_the_links_cpu_time_is_read_from_its_own_thread(model_file: Path, native
     assert before is not None and after is not None and after > before
     assert idle is not None and idle - after < 0.05
     assert fetcher.cpu_s() is None
+
+
+@needs_aio
+@pytest.mark.skipif(link.library() is None, reason="no C loop here")
+def test_the_caller_takes_the_landed_experts_on_its_own_thread(model_file: Path) -> None:
+    """``caller_takes`` (the engine's link): no Python thread of the link's; ``take``
+    reports each landed expert, exactly, on the calling thread, waiting until one lands,
+    until ``wake`` or its timeout; closing reports what landed and abandons the rest."""
+    refs = [e for layer in inspect_model(model_file).experts for e in layer][:8]
+    reports: list[tuple[tuple[int, int], str | None, int]] = []
+    telemetry = Telemetry()
+    files = MappedFiles()
+    with open_direct(model_file) as store:
+        slots = store.alloc_slots(len(refs)).fill_(0xAB)
+        fetcher = Fetcher(
+            store,
+            slots,
+            telemetry,
+            lambda k, lay, e: reports.append((k, e, threading.get_ident())),
+            caller_takes=True,
+        )
+        try:
+            assert fetcher.caller_takes and fetcher._thread is None
+            for i, ref in enumerate(refs[:4]):
+                fetcher.submit((0, i), (ref.layer, ref.expert), ref, i)
+            deadline = time.monotonic() + 30
+            while len(reports) < 4 and time.monotonic() < deadline:
+                fetcher.take(1.0)
+            assert sorted(k for k, _, _ in reports) == [(r.layer, r.expert) for r in refs[:4]]
+            for i, ref in enumerate(refs[:4]):
+                got = dequantize_slot(slots[i], ref, store.layout(ref), torch.float32)
+                for w, part in zip(got, ref.parts, strict=True):
+                    assert torch.equal(w, files.load(part))
+            assert fetcher.cpu_s() is not None  # the C loop's own clock
+            timer = threading.Timer(0.1, fetcher.wake)
+            timer.start()
+            t0 = time.monotonic()
+            assert fetcher.take(30) == 0  # woken with nothing landed
+            assert time.monotonic() - t0 < 10
+            timer.join()
+            for i, ref in enumerate(refs[4:], 4):
+                fetcher.submit((0, i), (ref.layer, ref.expert), ref, i)
+        finally:
+            fetcher.close()
+            files.close()
+    assert {t for _, _, t in reports} == {threading.get_ident()}
+    errors = {k: e for k, e, _ in reports}
+    assert len(reports) == len(errors) == len(refs)  # each fetch reported once
+    assert all(e is None or "shutting down" in e for e in errors.values())
+    assert telemetry.fetched == sum(e is None for e in errors.values())
+    assert fetcher.take(0) == 0 and fetcher.cpu_s() is None

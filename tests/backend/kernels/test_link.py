@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,3 +192,38 @@ def test_the_loops_cpu_clock_counts_its_own_thread(data_file) -> None:
         lk.free()
     assert spent is not None and spent > 0
     assert idle is not None and idle - spent < 0.05
+
+
+def test_a_wait_ends_when_woken_or_timed_out(data_file) -> None:
+    """The engine waits in the link while it has nothing to run: a message for it
+    (``wake``, from another thread) ends the wait at once, as does a timeout; a wake
+    with no wait under way ends the next one."""
+    fd, data = data_file
+    buf = ctypes.create_string_buffer(N)
+    lk = opened(1)
+    lk.start()
+    try:
+        t0 = time.perf_counter()
+        assert lk.wait(0) == [] and lk.wait(0.05) == []
+        assert time.perf_counter() - t0 >= 0.05
+        timer = threading.Timer(0.1, lk.wake)
+        timer.start()
+        t0 = time.perf_counter()
+        assert lk.wait(30) == []  # woken, nothing landed
+        woken_after = time.perf_counter() - t0
+        timer.join()
+        lk.wake()
+        t0 = time.perf_counter()
+        assert lk.wait() == []  # no limit, but woken before it began
+        assert time.perf_counter() - t0 < 1
+        assert lk.submit((0,), 7, [(fd, ctypes.addressof(buf), N, N)])
+        landed: list = []
+        while not landed:
+            landed = lk.wait(30)
+        assert [(tag, res[0]) for tag, _, _, res in landed] == [(7, N)]
+        assert buf.raw == data[N : 2 * N]
+    finally:
+        lk.close()
+        lk.free()
+    assert 0.05 < woken_after < 10
+    assert lk.wait(0) is None  # freed: nothing to wait on
