@@ -9,11 +9,12 @@ telemetry and the engine's wake-up take):
   handles the landed experts before queuing the next (``late``, the link before 6260566)
   or queues the next first (``early``, as the link does now);
 - ``fetcher``: the engine's own ``Fetcher`` at each depth (``QUEUED_EXPERTS`` patched),
-  the handling time spent in its completion callback: with its loop in C (``fetcher C``,
-  ``backend/kernels/link.c``, where it builds; the reads go on meanwhile), the landed
-  experts taken by the submitting thread as the engine's thread takes them
-  (``caller_takes``), and in Python (``fetcher py``, the link's Python thread queuing
-  the reads and taking what lands).
+  the handling time spent in its completion callback: with its loop in C
+  (``backend/kernels/link.c``, where it builds; the reads go on meanwhile), the landed
+  experts taken by the submitting thread as the engine's thread takes them (``fetcher
+  C``, ``caller_takes``) or by a Python thread of the link's (``C thread``, as before
+  9e6f727), and with its loop in Python (``fetcher py``, the link's Python thread
+  queuing the reads and taking what lands).
 
 ``--python-load`` adds a thread running pure Python beside the reads, as the engine's
 Python holds the GIL between its native calls (the GIL's switch interval is the engine's,
@@ -48,7 +49,7 @@ from backend.engine.telemetry import Telemetry  # noqa: E402
 from backend.kernels import link as native_link  # noqa: E402
 from backend.models.loader import inspect_model  # noqa: E402
 
-KINDS = ("loop late", "loop early", "fetcher py", "fetcher C")
+KINDS = ("loop late", "loop early", "fetcher py", "C thread", "fetcher C")
 
 
 def spin(seconds: float) -> None:
@@ -96,10 +97,17 @@ def loop_reads(
 
 
 def fetcher_reads(
-    store: SSDStore, refs: list, order: list[int], depth: int, handle_s: float, native: bool
+    store: SSDStore,
+    refs: list,
+    order: list[int],
+    depth: int,
+    handle_s: float,
+    native: bool,
+    caller_takes: bool = True,
 ) -> float:
     """Seconds per expert through the engine's ``Fetcher`` with ``depth`` experts queued,
-    its loop in C (``native``) or in Python."""
+    its loop in C (``native``; the landed fetches taken by this thread, ``caller_takes``,
+    or by the link's) or in Python."""
     saved, fetcher.QUEUED_EXPERTS = fetcher.QUEUED_EXPERTS, depth
     slots = store.alloc_slots(2 * depth + 2)
     landed: queue.Queue = queue.Queue()
@@ -108,7 +116,9 @@ def fetcher_reads(
         spin(handle_s)
         landed.put((key, err))
 
-    link = fetcher.Fetcher(store, slots, Telemetry(), done, native=native, caller_takes=True)
+    link = fetcher.Fetcher(
+        store, slots, Telemetry(), done, native=native, caller_takes=caller_takes
+    )
     try:
         if not link.batched:
             raise SystemExit("native AIO is not available here")
@@ -166,17 +176,20 @@ def main(argv: list[str] | None = None) -> None:
         for h in args.handle_ms.split(",")
         for depth in map(int, args.depths.split(","))
         for kind in KINDS
-        if kind != "fetcher C" or native_link.library() is not None
+        if kind not in ("fetcher C", "C thread") or native_link.library() is not None
     ]
     times: dict[tuple, list[float]] = {c: [] for c in configs}
     try:
         for _ in range(args.rounds):
             for kind, depth, h in configs:
                 order = [rng.randrange(len(refs)) for _ in range(args.experts)]
-                if kind.startswith("fetcher"):
-                    s = fetcher_reads(store, refs, order, depth, h / 1e3, kind == "fetcher C")
-                else:
+                if kind.startswith("loop"):
                     s = loop_reads(store, refs, order, depth, h / 1e3, kind == "loop early")
+                else:
+                    native = kind != "fetcher py"
+                    s = fetcher_reads(
+                        store, refs, order, depth, h / 1e3, native, kind == "fetcher C"
+                    )
                 times[(kind, depth, h)].append(s * 1e3)
     finally:
         stop.set()

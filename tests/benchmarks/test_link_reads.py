@@ -40,6 +40,8 @@ def test_every_expert_is_read_at_each_depth(store, depth: int) -> None:
     for early in (False, True):
         assert loop_reads(s, refs, order, depth, 0.0001, early) > 0
     saved = fetcher.QUEUED_EXPERTS
-    for native in (True, False):  # the C loop where it builds (else Python's again)
-        assert fetcher_reads(s, refs, order, depth, 0.0001, native) > 0
+    # the C loop where it builds (else Python's again), its landings taken by this thread
+    # or by the link's own
+    for native, caller in ((True, True), (True, False), (False, True)):
+        assert fetcher_reads(s, refs, order, depth, 0.0001, native, caller) > 0
     assert saved == fetcher.QUEUED_EXPERTS
