@@ -311,6 +311,14 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
         pytest.skip("no native Q4 kernels here (x86-64 with AVX2 and a C compiler)")
     model = models["mixtral-q4-gguf"]
     size = str(model.config.top_k) if cache == "min" else cache
+
+    def rode(calls) -> bool:  # a run carried riders: their products came back one by one
+        return any(args[8] < args[4].shape[0] for args, _ in calls)
+
+    def went_on(calls) -> bool:  # a split run went on from a prompt's sums (``into``)
+        return any(len(args) > 9 and args[9] is not None for args, _ in calls)
+
+    both_kinds = policy == "bevy" and cache == "0.3"
     results = {}
     for on in (True, False):
         monkeypatch.undo()
@@ -318,21 +326,24 @@ def test_whole_moe_runs_in_one_native_call_and_changes_no_result(
         if not on:  # each expert on its own through the same kernels
             monkeypatch.setattr(NativeExperts, "_whole_layer", lambda *args: None)
         config = EngineConfig(policy=policy, cache=size, storage="ssd", expert_backend="native")
-        results[on] = (run_clean(model, config), calls)
-    (out, calls), (out0, calls0) = results[True], results[False]
+        outs = [run_clean(model, config)]
+        # Riders and split runs form by fetch timing: up to two more runs for both to come
+        # (each run's results are checked below).
+        while on and both_kinds and len(outs) < 3 and not (rode(calls) and went_on(calls)):
+            outs.append(run_clean(model, config))
+        results[on] = (outs, calls)
+    (outs, calls), (outs0, calls0) = results[True], results[False]
     assert any(result is not None for _, result in calls) and not calls0
-    if policy == "bevy" and cache == "0.3":
-        # some runs carried riders: their products came back one by one
-        assert any(args[8] < args[4].shape[0] for args, _ in calls)
-        # some split runs went on from a prompt's sums (``into``)
-        assert any(len(args) > 9 and args[9] is not None for args, _ in calls)
-    fin, logs = out
+    if both_kinds:
+        assert rode(calls) and went_on(calls)
     refs, bound = expected_refs(references, "mixtral-q4-gguf", rounded=True)
-    for i, (tokens, logits) in enumerate(refs):
-        rid = f"r{i}"
-        assert list(fin[rid].token_ids) == tokens, rid
-        assert (torch.stack(logs[rid]) - logits).abs().max().item() <= bound, rid
-    assert_same_results(out, out0, rounded=True)
+    for out in outs:
+        fin, logs = out
+        for i, (tokens, logits) in enumerate(refs):
+            rid = f"r{i}"
+            assert list(fin[rid].token_ids) == tokens, rid
+            assert (torch.stack(logs[rid]) - logits).abs().max().item() <= bound, rid
+        assert_same_results(out, outs0[0], rounded=True)
 
 
 def _slowed(method):
