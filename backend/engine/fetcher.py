@@ -209,10 +209,9 @@ class Fetcher:
         if self._native is not None:
             self._native.close()  # the queued reads land, for the link's thread to take
         if self._thread is None:  # or for the caller: taken here, the rest abandoned
+            while self.take(0):
+                pass
             with self._taking:
-                while landed := self._native.wait(0):
-                    for fetch in landed:
-                        self._landed(*fetch)
                 self._abandon("engine shutting down")
                 self._native.free()
             return
