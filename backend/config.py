@@ -320,6 +320,11 @@ class EngineConfig:
     native: bool = field(default_factory=lambda: _env_on("BEVY_NATIVE") and _env_on("BEVY_COMPILE"))
     compile: bool = field(default_factory=lambda: _env_on("BEVY_COMPILE"))
     aio: bool = field(default_factory=lambda: _env_on("BEVY_AIO"))
+    # Bytes a second of a paced link (0: none): the experts' reads land no sooner than a
+    # link of this speed would carry them, one after another, so that policies can be
+    # compared on a link of one steady speed where the disk's own swings (``bevy bench
+    # --link-rate``; the C link loop only).
+    link_rate: int = 0
 
     def __post_init__(self) -> None:
         if self.expert_backend not in EXPERT_BACKENDS:

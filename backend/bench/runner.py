@@ -57,6 +57,7 @@ class BenchPlan:
     expert_backend: str = "auto"
     working_set_mib: int = 0  # decoded experts kept, out of each cache fraction's budget
     kv_type: str = "auto"  # how the KV cache stores keys and values (EngineConfig.kv_type)
+    link_rate: int = 0  # bytes a second of a paced link (EngineConfig.link_rate); 0: none
     keep_lanes: bool = False  # records carry each lane's busy intervals (compare view)
 
 
@@ -94,6 +95,7 @@ def run_once(
         expert_backend=plan.expert_backend,
         working_set_mib=plan.working_set_mib,
         kv_type=plan.kv_type,
+        link_rate=plan.link_rate,
     )
     # Each run's peak is its own: what the plain-generation reference or an earlier run
     # read from the mapped file, and freed heap the C library keeps, leave the process.
@@ -274,6 +276,7 @@ def run_bench(
                 "storage": plan.storage,
                 "device": plan.device,
                 "eviction": plan.eviction,
+                "link_rate": plan.link_rate,
                 **med,
                 "slot_format": runs[0]["slot_format"],
                 "expert_backend": runs[0]["expert_backend"],
@@ -311,7 +314,15 @@ def format_tables(records: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault(
-            (r["workload"], r["requests"], r["cache_fraction"], r["storage"], r["device"]), []
+            (
+                r["workload"],
+                r["requests"],
+                r["cache_fraction"],
+                r["storage"],
+                r["device"],
+                r.get("link_rate", 0),
+            ),
+            [],
         ).append(r)
     head = (
         "policy",
@@ -333,8 +344,9 @@ def format_tables(records: list[dict]) -> str:
         "peak MiB",
         "exact",
     )
-    for (w, n, c, st, dev), rows in groups.items():
-        out.append(f"## {w}, {n} requests, cache {c:.0%}, storage {st}, device {dev}")
+    for (w, n, c, st, dev, rate), rows in groups.items():
+        paced = f", link paced to {rate / 1e9:.2f} GB/s" if rate else ""
+        out.append(f"## {w}, {n} requests, cache {c:.0%}, storage {st}, device {dev}{paced}")
         table = [head]
         for r in rows:
             ratio = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731

@@ -68,11 +68,13 @@ class Fetcher:
         use_aio: bool = True,
         native: bool = True,
         caller_takes: bool = False,
+        link_rate: int = 0,
     ) -> None:
         """``use_aio``: queue reads through native AIO where the store reads with O_DIRECT;
         ``native``: with the C loop where it builds (else the Python one); ``caller_takes``:
         with the C loop, no Python thread of the link's: the caller takes the landed
-        fetches (``take``; ``on_done`` is then called on its thread)."""
+        fetches (``take``; ``on_done`` is then called on its thread); ``link_rate``: bytes a
+        second of a paced link (the C loop's ``Link.pace``; 0: the store's own pace)."""
         self.store = store
         self.slots = slots
         self.telemetry = telemetry
@@ -96,6 +98,13 @@ class Fetcher:
             self._native = native_link.open_link(QUEUED_EXPERTS) if native else None
             if self._native is None:
                 self._aio = aio.open_reads(3 * QUEUED_EXPERTS)
+        if link_rate and self._native is None:
+            if self._aio is not None:
+                self._aio.close()
+            raise ValueError(
+                "a paced link needs the link's loop in C: Linux native AIO, an O_DIRECT "
+                "SSD store, the CPU's stored slots"
+            )
         self._flights: dict[int, _Flight] = {}
         # The C loop's fetches not reported yet, by tag: key, ref, slot, prefetch, reads.
         self._submitted: dict[int, tuple[tuple[int, int], ExpertRef, int, bool, int]] = {}
@@ -107,6 +116,7 @@ class Fetcher:
             self._thread = threading.Thread(target=self._run, name="bevy-link", daemon=True)
             self._thread.start()
         if self._native is not None:
+            self._native.pace(link_rate)
             try:
                 self._native.start()
             except OSError:

@@ -259,6 +259,7 @@ class Engine:
             # This thread takes the C loop's landed experts itself (``_drain``): a thread
             # of the link's for them woke for each one and took the GIL from this one.
             caller_takes=True,
+            link_rate=config.link_rate,
         )
         # Every expert, layer by layer, where each has a slot; those being read now.
         self._warm: deque[tuple[int, int]] = deque()

@@ -39,7 +39,7 @@ typedef struct {
 typedef struct {
     job_t job;
     int64_t res[LINK_PARTS];
-    int64_t start_ns, order;
+    int64_t start_ns, order, due_ns;
     int left, used;
 } flight_t;
 
@@ -53,6 +53,8 @@ struct bevy_link {
     flight_t *flights; /* only the loop thread touches these */
     int depth, n_flights;
     int64_t seq, order;
+    double ns_per_byte; /* a paced link (bevy_link_pace); 0: the reads' own pace */
+    int64_t paced_until; /* when the paced link has carried every fetch started so far */
     int closing, finished, started, aio, inited, woken;
     aio_context_t ctx;
     struct iocb *cbs;
@@ -136,6 +138,24 @@ static void report_all(bevy_link *L, const job_t *jobs, int64_t (*res)[LINK_PART
     pthread_mutex_unlock(&L->mu);
 }
 
+/* When a fetch started at `t` lands on a paced link: one fetch after another, each taking
+ * its bytes at the link's rate (no credit for time the link sat idle); 0 unpaced. */
+static int64_t paced_due(bevy_link *L, const job_t *j, int64_t t) {
+    if (L->ns_per_byte <= 0) return 0;
+    int64_t bytes = 0;
+    for (int p = 0; p < j->n; p++) bytes += j->read[p][2];
+    if (L->paced_until < t) L->paced_until = t;
+    L->paced_until += (int64_t)((double)bytes * L->ns_per_byte);
+    return L->paced_until;
+}
+
+static void sleep_until(int64_t due) {
+    if (due <= now_ns()) return;
+    struct timespec t = {(time_t)(due / 1000000000), (long)(due % 1000000000)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL) == EINTR) {
+    }
+}
+
 static void read_now(const job_t *j, int64_t *res) {
     for (int p = 0; p < j->n; p++) {
         ssize_t got = pread((int)j->read[p][0], (void *)(uintptr_t)j->read[p][1],
@@ -174,8 +194,9 @@ static void start(bevy_link *L, job_t *jobs, int n) {
     int64_t t = now_ns();
     if (!L->aio) {
         for (int i = 0; i < n; i++) {
-            int64_t res[1][LINK_PARTS];
+            int64_t res[1][LINK_PARTS], due = paced_due(L, &jobs[i], t);
             read_now(&jobs[i], res[0]);
+            sleep_until(due);
             report_all(L, &jobs[i], res, &t, 1);
         }
         return;
@@ -186,6 +207,7 @@ static void start(bevy_link *L, job_t *jobs, int n) {
         while (L->flights[f].used) f++;
         flight_t *fl = &L->flights[f];
         fl->job = jobs[i], fl->used = 1, fl->left = jobs[i].n, fl->start_ns = t;
+        fl->due_ns = paced_due(L, &jobs[i], t);
         fl->order = L->order++;
         L->n_flights++;
         for (int p = 0; p < jobs[i].n; p++, nr++) {
@@ -221,7 +243,7 @@ static void land(bevy_link *L) {
         return;
     }
     job_t jobs[LINK_MAX_DEPTH];
-    int64_t res[LINK_MAX_DEPTH][LINK_PARTS], starts[LINK_MAX_DEPTH];
+    int64_t res[LINK_MAX_DEPTH][LINK_PARTS], starts[LINK_MAX_DEPTH], due = 0;
     int n = 0;
     for (long i = 0; i < got; i++) {
         uint64_t t = L->events[i].data;
@@ -233,6 +255,7 @@ static void land(bevy_link *L) {
         flight_t *fl = &L->flights[f];
         if (!fl->used || fl->left) continue;
         jobs[n] = fl->job, starts[n] = fl->start_ns;
+        if (fl->due_ns > due) due = fl->due_ns;
         memcpy(res[n], fl->res, sizeof fl->res);
         n++;
         fl->used = 0;
@@ -241,6 +264,7 @@ static void land(bevy_link *L) {
     /* The SSD gets the next reads before the landed ones are handed over. */
     job_t next[LINK_MAX_DEPTH];
     start(L, next, take(L, next, L->depth - L->n_flights));
+    sleep_until(due); /* on a paced link, not before the link would have carried them */
     report_all(L, jobs, res, starts, n);
 }
 
@@ -288,6 +312,10 @@ bevy_link *bevy_link_open(int depth) {
     pthread_cond_init(&L->landed, &attr);
     pthread_condattr_destroy(&attr);
     return L;
+}
+
+void bevy_link_pace(bevy_link *L, int64_t bytes_per_s) {
+    L->ns_per_byte = bytes_per_s > 0 ? 1e9 / (double)bytes_per_s : 0;
 }
 
 int bevy_link_start(bevy_link *L) {

@@ -16,6 +16,10 @@ typedef struct bevy_link bevy_link;
 
 /* An AIO context for `depth` fetches' reads; NULL where the kernel refuses one. */
 bevy_link *bevy_link_open(int depth);
+/* Before start: land each fetch no sooner than a link of `bytes_per_s` would carry it, one
+ * fetch after another from when it started (<= 0: as the reads land). For comparing
+ * policies on a link of one steady speed; the reads themselves are unchanged. */
+void bevy_link_pace(bevy_link *L, int64_t bytes_per_s);
 /* Start the loop's thread. 0, or -errno. */
 int bevy_link_start(bevy_link *L);
 /* Queue a fetch: `key` [LINK_KEY], `reads` [n, 4] (fd, address, length, offset).

@@ -68,6 +68,7 @@ def library() -> ctypes.CDLL | None:
             return None
         ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         lib.bevy_link_open.argtypes, lib.bevy_link_open.restype = [i32], ptr
+        lib.bevy_link_pace.argtypes, lib.bevy_link_pace.restype = [ptr, i64], None
         lib.bevy_link_start.argtypes, lib.bevy_link_start.restype = [ptr], i32
         lib.bevy_link_submit.argtypes = [ptr, ptr, i64, i32, ptr]
         lib.bevy_link_submit.restype = i32
@@ -93,6 +94,14 @@ class Link:
         # Held by every call but ``wait``: none reaches the loop once it is freed.
         self._guard = threading.Lock()
         self._batched = True
+
+    def pace(self, bytes_per_s: int) -> None:
+        """Before ``start``: land each fetch no sooner than a link of ``bytes_per_s`` would
+        carry it, one fetch after another, without credit for time it sat idle (0: as the
+        reads land). The reads are the same; their landings wait for the link's pace."""
+        with self._guard:
+            if self._h:
+                self._lib.bevy_link_pace(self._h, max(0, int(bytes_per_s)))
 
     def start(self) -> None:
         rc = self._lib.bevy_link_start(self._h)

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from backend.config import EngineConfig
+from backend.config import EngineConfig, parse_size
 from backend.errors import BevyError
 from backend.policies import EVICTION_POLICIES, EXPERT_BACKENDS, KV_TYPES
 from backend.serving import agent_cli
@@ -210,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="decoded experts kept for reuse, taken out of each cache budget (default 0)",
     )
     bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument(
+        "--link-rate",
+        default=None,
+        metavar="RATE",
+        help="pace the link to this speed, e.g. 2GB/s: each expert lands no sooner than "
+        "a link of that speed would carry it, one after another (the reads stay real), to "
+        "compare policies where the disk's own speed swings (SSD store, Linux)",
+    )
     _add_store_args(bench)
     bench.add_argument("--json", type=Path, default=None, help="write records to this JSON file")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG (needs matplotlib)")
@@ -455,6 +463,14 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rate(spec: str) -> int:
+    """Bytes a second for "2GB/s", "1.5GiB/s" or "800MB"."""
+    try:
+        return parse_size(spec.strip().removesuffix("/s"))
+    except ValueError:
+        raise ValueError(f"--link-rate {spec!r} is not a speed: 2GB/s, 800MB/s, 1.5GiB/s") from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from backend.bench import runner as bench
     from backend.engine.scheduler import make_policy
@@ -477,6 +493,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             expert_backend=args.expert_backend,
             working_set_mib=args.working_set,
             kv_type=args.kv_type,
+            link_rate=_rate(args.link_rate) if args.link_rate else 0,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None

@@ -180,3 +180,26 @@ def test_a_runs_peak_leaves_out_what_the_reference_read_and_freed() -> None:
     rec = run_once(model, "bevy", prompts, 0.3, BenchPlan(tokens=2))
     assert after_reference > 1500  # the experts' file pages, mapped
     assert rec["peak_rss_mib"] < after_reference - 500
+
+
+def test_a_paced_link_is_recorded_and_named(chat_model: Path) -> None:
+    from backend.kernels import link
+
+    if link.library() is None:
+        pytest.skip("no C link loop here")
+    plan = BenchPlan(policies=("bevy", "sync"), requests=(2,), tokens=3, link_rate=10**9)
+    try:
+        records = run_bench(load_model(chat_model), plan, log=lambda m: None)
+    except ValueError as exc:  # no O_DIRECT store where the test's files are
+        pytest.skip(str(exc))
+    assert all(r["link_rate"] == 10**9 and r["tokens_identical_to_reference"] for r in records)
+    assert "cache 30%, storage ssd, device cpu, link paced to 1.00 GB/s" in format_tables(records)
+
+
+def test_bench_cli_rejects_a_rate_that_is_not_one(chat_model: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "backend.serving.cli", "bench", "--model", str(chat_model), "--link-rate", "fast"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--link-rate 'fast' is not a speed" in done.stderr
+    assert "Traceback" not in done.stderr
