@@ -37,9 +37,11 @@ MEMORY_NOTE = (
 )
 RATE_NOTE = (
     "tok/s: decoding, from the moment every request has its first token; all tok/s: "
-    "every token over the whole run, prompts included (the same work for every policy)."
+    "every token over the whole run, prompts included (the same work for every policy). "
+    "rows/run: the tokens each compute run multiplied while decoding (its group's and "
+    "riders'), on average."
 )
-LINK_NOTE = "Link time: the read from the store (O_DIRECT from the model file for --storage ssd, a RAM copy for host), the decode if any, and the copy to the device on CUDA. link CPU ms: the link thread's CPU time per fetch, which on few cores compute does not get."
+LINK_NOTE = "Link time: the read from the store (O_DIRECT from the model file for --storage ssd, a RAM copy for host), the decode if any, and the copy to the device on CUDA. link CPU ms: the link thread's CPU time per fetch, which on few cores compute does not get. A paced link (--link-rate) lands each expert no sooner than a link of that speed would carry it."
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,10 @@ def run_once(
     t0, hits0, misses0, fetched0, tok0, link_cpu0 = mark
     fetched = eng.telemetry.fetched - fetched0
     window = eng.telemetry.window(t0, t_end)
+    # The compute runs in the window, and the rows (a decoding request's token) in each:
+    # how large the groups the policy formed were, riders included.
+    runs = eng.telemetry.compute.copy()
+    rows = runs.columns["tokens"][(runs.start >= t0) & (runs.start < t_end)]
     n_decode = sum(len(t) for t in tokens.values()) - tok0
     steps = n_decode / len(prompts)
     s = eng.cache.stats
@@ -161,6 +167,8 @@ def run_once(
         "both_busy_frac": window["both_busy_frac"],
         "compute_wait_frac": window["compute_wait_frac"],
         "fetched_per_step": fetched / steps if steps else 0.0,
+        "compute_runs": int(rows.size),
+        "rows_per_run": float(rows.mean()) if rows.size else 0.0,
         "link_cpu_ms_per_fetch": None
         if link_cpu is None or link_cpu0 is None or not fetched
         else 1000 * (link_cpu - link_cpu0) / fetched,
@@ -338,6 +346,7 @@ def format_tables(records: list[dict]) -> str:
         "both %",
         "wait %",
         "fetch/step",
+        "rows/run",
         "hit %",
         "unused pf %",
         "step/bound",
@@ -365,6 +374,7 @@ def format_tables(records: list[dict]) -> str:
                     f"{100 * r['both_busy_frac']:.0f}",
                     f"{100 * r['compute_wait_frac']:.0f}",
                     f"{r['fetched_per_step']:.1f}",
+                    f"{r.get('rows_per_run', 0):.2f}",
                     f"{100 * r['hit_rate']:.0f}",
                     f"{100 * r['unused_prefetch']:.0f}"
                     if r["policy"].startswith("prefetch") or "prefetch" in r["policy"]

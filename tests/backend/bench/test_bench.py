@@ -46,6 +46,8 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
         # memory: the process peak holds at least what the engine held, which the budget bounds
         assert r["peak_rss_mib"] >= r["peak_engine_mib"] > 0
         assert r["cache_budget_mib"] > 0
+        # decoding runs each multiply one token of some of the three requests
+        assert r["compute_runs"] > 0 and 1 <= r["rows_per_run"] <= 3
         # the link thread's CPU a fetch in the decoding window (where the platform says)
         cpu = r["link_cpu_ms_per_fetch"]
         if r["fetched_per_step"] and sys.platform.startswith("linux"):
@@ -57,6 +59,7 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
     table = format_tables(records)
     assert "agentic, 3 requests, cache 30%" in table and "stored (quantized) bytes" in table
     assert "peak MiB" in table and "all x sync" in table and "link CPU ms" in table
+    assert "rows/run" in table
     # benchmarks/targets.py reads these records: one verdict line per check, each config named
     assert all(r["eviction"] == "lfu" for r in records)
     text, _ = targets.report(records)
