@@ -1109,15 +1109,19 @@ static void moe_route(int j, int i, int k, const float *route_w, const float *o,
     }
 }
 
-/* Expert e of a bevy_q4_moe call on its gathered rows (xg) into og, on `threads` threads. */
-static int moe_expert(const uint64_t *weights, const int *types, const int *counts,
-                      const int *first, int e, const float *xg, float *og, int inner, int hidden,
-                      int threads) {
-    const size_t at = (size_t)first[e] * hidden;
+/* Rows r0 <= r < r1 of expert e of a bevy_q4_moe call (its gathered rows in xg) into og,
+   on `threads` threads. */
+static int moe_rows(const uint64_t *weights, const int *types, const int *first, int e, int r0,
+                    int r1, const float *xg, float *og, int inner, int hidden, int threads) {
+    const size_t at = (size_t)(first[e] + r0) * hidden;
     return bevy_q4_expert_mlp((const uint8_t *)weights[3 * e], (const uint8_t *)weights[3 * e + 1],
                               (const uint8_t *)weights[3 * e + 2], types[e], xg + at, og + at,
-                              counts[e], inner, hidden, threads);
+                              r1 - r0, inner, hidden, threads);
 }
+
+/* The fewest rows of an expert's that a thread takes as a piece of its own (below, where
+   a call has fewer experts than two a thread, each expert's columns are shared). */
+#define PIECE_ROWS 64
 
 /* A whole MoE layer for a batch of rows, in one call (no Python between experts).
    For each expert e < n_experts in turn, and each of its counts[e] routes in turn (taken
@@ -1133,7 +1137,12 @@ static int moe_expert(const uint64_t *weights, const int *types, const int *coun
    With at least two experts per thread, the threads take whole experts, one at a time as
    each finishes (one parallel region for the call; a thread that the OS or the link
    thread holds up takes fewer experts instead of stalling the others at every barrier);
-   the products are then added in order. With fewer, each expert's columns are shared. */
+   the products are then added in order. With fewer experts but many rows each (a long
+   prompt's part of a layer), the experts' rows are cut into pieces of at least
+   PIECE_ROWS that the threads take the same way: sharing an expert's columns instead
+   costs a parallel region and a serial rounding of its activations every ROWS rows. A
+   row's products do not depend on which other rows are multiplied with it, so the
+   pieces give the same bits. With fewer of either, each expert's columns are shared. */
 int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, int n_experts,
                 const int *routes, const float *route_w, int k, const float *x, float *y,
                 float *parts, int sum_rows, int inner, int hidden, int threads) {
@@ -1152,13 +1161,39 @@ int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, in
     for (int j = 0; j < n_routes; j++)
         memcpy(xg + (size_t)j * hidden, x + (size_t)(routes[j] / k) * hidden, sizeof(float) * hidden);
     int failed = 0;
+    /* Pieces an expert's rows are cut into so that every thread has two to take. */
+    const int want = threads > 1 && n_experts < 2 * threads ? (2 * threads + n_experts - 1) / n_experts : 1;
+    int n_pieces = 0;
+    for (int e = 0; e < n_experts; e++) {
+        int p = counts[e] / PIECE_ROWS < want ? counts[e] / PIECE_ROWS : want;
+        n_pieces += p > 1 ? p : 1;
+    }
     if (threads > 1 && n_experts >= 2 * threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
         for (int e = 0; e < n_experts; e++)
-            failed |= moe_expert(weights, types, counts, first, e, xg, og, inner, hidden, 1);
+            failed |= moe_rows(weights, types, first, e, 0, counts[e], xg, og, inner, hidden, 1);
+    } else if (threads > 1 && n_pieces >= 2 * threads) {
+        int *piece = malloc(sizeof(int) * 3 * (size_t)n_pieces);
+        if (!piece) {
+            free(xg);
+            free(first);
+            return -1;
+        }
+        for (int e = 0, i = 0; e < n_experts; e++) {
+            int p = counts[e] / PIECE_ROWS < want ? counts[e] / PIECE_ROWS : want;
+            if (p < 1) p = 1;
+            for (int q = 0; q < p; q++, i++)
+                piece[3 * i] = e, piece[3 * i + 1] = (int)((long)counts[e] * q / p),
+                piece[3 * i + 2] = (int)((long)counts[e] * (q + 1) / p);
+        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
+        for (int i = 0; i < n_pieces; i++)
+            failed |= moe_rows(weights, types, first, piece[3 * i], piece[3 * i + 1],
+                               piece[3 * i + 2], xg, og, inner, hidden, 1);
+        free(piece);
     } else {
         for (int e = 0; e < n_experts && !failed; e++)
-            failed |= moe_expert(weights, types, counts, first, e, xg, og, inner, hidden, threads);
+            failed |= moe_rows(weights, types, first, e, 0, counts[e], xg, og, inner, hidden, threads);
     }
     if (!failed)
         for (int j = 0; j < n_routes; j++)

@@ -307,6 +307,28 @@ def test_moe_is_each_expert_alone_scaled_and_added_in_order(
             assert torch.equal(parts[j], product)
 
 
+@pytest.mark.parametrize(("rows", "threads"), [(600, 2), (600, 4), (200, 4), (40, 2)])
+def test_an_experts_rows_cut_into_pieces_give_the_same_bits(
+    lib, monkeypatch, rows: int, threads: int
+):
+    """One expert with many rows (a long prompt's part of a layer): its rows are cut into
+    pieces the threads take whole (600 rows on 2 and 4 threads, pieces of 150 and 75, the
+    latter below the packing's row count), or its columns are shared (200 rows on 4, 40
+    on 2: too few for pieces); every row's product is the expert's alone, bit for bit."""
+    monkeypatch.setattr(native, "_lib", lib)
+    experts, ids, w, x, order, (weights, types, counts, routes) = _moe_case(3, rows, 2)
+    assert order[0] == 0 and counts[0] == rows  # expert 0 takes every row
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y, _ = native.moe(weights[:3], types[:1], counts[:1], routes[:rows], x, w, INNER, HIDDEN)
+    finally:
+        torch.set_num_threads(before)
+    r, slot = (ids == 0).nonzero(as_tuple=True)
+    assert torch.equal(r, torch.arange(rows))
+    assert torch.equal(y, native.expert_mlp(experts[0], x) * w[r, slot, None])
+
+
 def test_moe_goes_on_from_the_sums_it_is_given(lib, monkeypatch):
     """A call given sums (``into``) adds to them in order, as continuing the per-expert
     path would: the six experts applied as the first two, then the other four, with the
