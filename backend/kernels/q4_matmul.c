@@ -1123,6 +1123,12 @@ static int moe_rows(const uint64_t *weights, const int *types, const int *first,
    a call has fewer experts than two a thread, each expert's columns are shared). */
 #define PIECE_ROWS 64
 
+/* Pieces an expert's `rows` are cut into: `want`, as far as each keeps PIECE_ROWS. */
+static inline int moe_pieces(int rows, int want) {
+    const int p = rows / PIECE_ROWS < want ? rows / PIECE_ROWS : want;
+    return p > 1 ? p : 1;
+}
+
 /* A whole MoE layer for a batch of rows, in one call (no Python between experts).
    For each expert e < n_experts in turn, and each of its counts[e] routes in turn (taken
    from `routes`, consecutively over the experts, route j overall): i = routes[j] is the
@@ -1161,36 +1167,20 @@ int bevy_q4_moe(const uint64_t *weights, const int *types, const int *counts, in
     for (int j = 0; j < n_routes; j++)
         memcpy(xg + (size_t)j * hidden, x + (size_t)(routes[j] / k) * hidden, sizeof(float) * hidden);
     int failed = 0;
-    /* Pieces an expert's rows are cut into so that every thread has two to take. */
+    /* Pieces of each expert's rows so that every thread has two to take (1: whole experts). */
     const int want = threads > 1 && n_experts < 2 * threads ? (2 * threads + n_experts - 1) / n_experts : 1;
-    int n_pieces = 0;
-    for (int e = 0; e < n_experts; e++) {
-        int p = counts[e] / PIECE_ROWS < want ? counts[e] / PIECE_ROWS : want;
-        n_pieces += p > 1 ? p : 1;
-    }
-    if (threads > 1 && n_experts >= 2 * threads) {
+    int n_pieces = n_experts;
+    if (want > 1)
+        for (int e = 0; e < n_experts; e++) n_pieces += moe_pieces(counts[e], want) - 1;
+    if (threads > 1 && n_pieces >= 2 * threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
-        for (int e = 0; e < n_experts; e++)
-            failed |= moe_rows(weights, types, first, e, 0, counts[e], xg, og, inner, hidden, 1);
-    } else if (threads > 1 && n_pieces >= 2 * threads) {
-        int *piece = malloc(sizeof(int) * 3 * (size_t)n_pieces);
-        if (!piece) {
-            free(xg);
-            free(first);
-            return -1;
+        for (int i = 0; i < n_pieces; i++) {
+            int e = i, q = 0, p = 1; /* piece i is expert e's q-th of p */
+            if (want > 1)
+                for (e = 0, q = i; q >= (p = moe_pieces(counts[e], want)); e++) q -= p;
+            failed |= moe_rows(weights, types, first, e, (int)((long)counts[e] * q / p),
+                               (int)((long)counts[e] * (q + 1) / p), xg, og, inner, hidden, 1);
         }
-        for (int e = 0, i = 0; e < n_experts; e++) {
-            int p = counts[e] / PIECE_ROWS < want ? counts[e] / PIECE_ROWS : want;
-            if (p < 1) p = 1;
-            for (int q = 0; q < p; q++, i++)
-                piece[3 * i] = e, piece[3 * i + 1] = (int)((long)counts[e] * q / p),
-                piece[3 * i + 2] = (int)((long)counts[e] * (q + 1) / p);
-        }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : failed)
-        for (int i = 0; i < n_pieces; i++)
-            failed |= moe_rows(weights, types, first, piece[3 * i], piece[3 * i + 1],
-                               piece[3 * i + 2], xg, og, inner, hidden, 1);
-        free(piece);
     } else {
         for (int e = 0; e < n_experts && !failed; e++)
             failed |= moe_rows(weights, types, first, e, 0, counts[e], xg, og, inner, hidden, threads);
