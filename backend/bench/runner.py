@@ -123,7 +123,7 @@ def run_once(
         while eng.has_work:
             eng.step()
             # Memory read every MEMORY_EVERY_S, not every few steps: each read (the RSS and
-            # every request's KV) costs the same to every policy, whatever its steps.
+            # every request's KV) then takes the same share of every policy's time.
             if (now := time.perf_counter()) - sampled >= MEMORY_EVERY_S:
                 sampled = now
                 mem = eng.memory()
