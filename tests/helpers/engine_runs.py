@@ -7,12 +7,15 @@ import dataclasses
 import torch
 
 from backend.config import EngineConfig, SamplingParams
+from backend.engine.jobs import JobRunner
 from backend.engine.loop import Engine
 from backend.kernels import native
+from backend.kernels.decode import Walk
 from backend.messages import Finished, Submit
 from backend.models.loader import LoadedModel
 from backend.policies import POLICIES
 from tests.helpers.reference import greedy_logits
+from tests.helpers.spy import spy
 
 PROMPTS = [
     [3, 17, 42, 5, 88, 9, 1],
@@ -99,6 +102,26 @@ def run_clean(model: LoadedModel, config: EngineConfig, **policy) -> tuple[dict,
     finally:
         eng.close()
     return finished, eng.logits_log
+
+
+def one_request(
+    model: LoadedModel, config: EngineConfig, monkeypatch, walk: bool
+) -> tuple[list[int], torch.Tensor, Engine, list]:
+    """One request alone (``PROMPTS[2]``, 24 tokens) with decoding's walk on or off (then
+    layer by layer): its tokens, its logits, the closed engine and the walks it made.
+    Alone, its groups are the same in every run, so the two ways compare bit for bit."""
+    monkeypatch.undo()
+    walks = spy(monkeypatch, Walk, "run")
+    if not walk:
+        monkeypatch.setattr(JobRunner, "run_through", lambda self, group: None)
+    eng = Engine(model, config)
+    eng.logits_log = {}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eng.submit(Submit("a", params, prompt_ids=PROMPTS[2]))
+    eng.run_until_idle(120)
+    (done,) = [e for e in drain(eng) if isinstance(e, Finished)]
+    eng.close()
+    return list(done.token_ids), torch.stack(eng.logits_log["a"]), eng, walks
 
 
 def assert_same_results(a: tuple[dict, dict], b: tuple[dict, dict], rounded: bool = False) -> None:

@@ -14,15 +14,15 @@ from backend.engine.loop import Engine
 from backend.kernels import native
 from backend.kernels.decode import Walk
 from backend.kernels.quants import QType
-from backend.messages import Finished, Submit
+from backend.messages import Submit
 from backend.models.gguf_export import write_gguf
 from backend.models.loader import LoadedModel, load_model
 from tests.helpers.engine_runs import (
     ALL_POLICIES,
     PROMPTS,
     assert_same_results,
-    drain,
     expected_refs,
+    one_request,
     references,
     run_clean,
 )
@@ -103,28 +103,16 @@ def test_walks_with_sliding_windows(walk_models, walk_refs, monkeypatch, cache: 
         assert (torch.stack(logs[f"r{i}"]) - logits).abs().max().item() <= bound
 
 
-def _one_request(model, monkeypatch, walk: bool) -> tuple[list[int], torch.Tensor, Engine]:
-    monkeypatch.undo()
-    if not walk:
-        monkeypatch.setattr(JobRunner, "run_through", lambda self, group: None)
-    eng = Engine(model, EngineConfig(policy="bevy", cache="1.0", storage="host", warm=False))
-    eng.logits_log = {}
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    eng.submit(Submit("a", params, prompt_ids=PROMPTS[2]))
-    eng.run_until_idle(120)
-    (done,) = [e for e in drain(eng) if isinstance(e, Finished)]
-    eng.close()
-    return list(done.token_ids), torch.stack(eng.logits_log["a"]), eng
-
-
 def test_a_walk_gives_the_bits_of_the_layer_jobs_and_counts_their_uses(
     walk_models, monkeypatch
 ) -> None:
     """One request alone, its prompt's experts resident: the same bits either way, and the
     cache counts the same uses and hits (layers a walk passed count as their jobs would)."""
     model = walk_models["deep"]
-    tokens, logits, eng = _one_request(model, monkeypatch, walk=True)
-    tokens0, logits0, eng0 = _one_request(model, monkeypatch, walk=False)
+    config = EngineConfig(policy="bevy", cache="1.0", storage="host", warm=False)
+    tokens, logits, eng, walks = one_request(model, config, monkeypatch, walk=True)
+    tokens0, logits0, eng0, none = one_request(model, config, monkeypatch, walk=False)
+    assert walks and not none
     assert tokens == tokens0
     assert torch.equal(logits, logits0)
     assert eng.cache._uses == eng0.cache._uses
