@@ -281,9 +281,10 @@ class EngineConfig:
     eviction: str = "lfu"
     policy: str = "bevy"
     max_active: int = 16  # requests running at once; more wait in the admission queue
-    # Where the cache has a slot for every expert, the link reads them all from the start,
-    # a few at a time behind any request's own reads, so that no first use waits on the
-    # disk (llama.cpp's warm-up touches every expert too).
+    # The link reads experts into the cache from the start, a few at a time behind any
+    # request's own reads, so that a first use waits on the disk as little as the budget
+    # allows (llama.cpp's warm-up touches every expert too): every expert where each has
+    # a slot, else as many as the free slots take, the same share of each layer.
     warm: bool = True
     # KV bytes admission keeps running requests within; None: planned (``plan_memory``).
     kv_budget_mib: int | None = None

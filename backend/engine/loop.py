@@ -261,12 +261,22 @@ class Engine:
             caller_takes=True,
             link_rate=config.link_rate,
         )
-        # Every expert, layer by layer, where each has a slot; those being read now.
+        # Every expert where each has a slot; where fewer fit, as many as the free slots
+        # take, the same share of each layer (the i-th expert of every layer, then the
+        # next), so that a first chat waits on the disk for the rest only. That one begins
+        # once the engine is idle (a server's start, before its first chat), not under
+        # requests already reading what they need. Those being read now.
         self._warm: deque[tuple[int, int]] = deque()
-        if config.warm and self.cache.n_slots >= self._n_routed:
-            self._warm.extend(
-                (i, e) for i, layer in enumerate(model.experts) for e in range(len(layer))
+        self._warm_when_idle = self.cache.n_slots < self._n_routed
+        if config.warm:
+            widest = max(map(len, model.experts), default=0)
+            order = (
+                (i, e)
+                for e in range(widest)
+                for i, layer in enumerate(model.experts)
+                if e < len(layer)
             )
+            self._warm.extend(itertools.islice(order, self.cache.n_slots))
         self._warming: set[tuple[int, int]] = set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -409,8 +419,8 @@ class Engine:
         split run, ``scheduler.split``, does not count: no request moved on)."""
         self.jobs.stop.value = 0  # what arrives from here on is drained after the next job
         self._drain(block=False)
-        if self._warm and not self._warming:  # the first step; after it, each read's end
-            self._warm_more()
+        if self._warm and not self._warming and (self.idle or not self._warm_when_idle):
+            self._warm_more()  # the first step (or idle one); after it, each read's end
         self._admit()
         group = self._schedule()
         if isinstance(group, Request):
@@ -648,8 +658,9 @@ class Engine:
             k = self._warm.popleft()
             if cache.is_present(k):
                 continue
-            slot = cache.reserve(k)
-            if slot is None:  # cannot happen with a slot for every expert; stop if it does
+            # Only into a free slot: a warm-up read never evicts what requests brought in.
+            slot = cache.reserve(k) if cache.n_used < cache.n_slots else None
+            if slot is None:
                 self._warm.clear()
                 return
             cache.unpin(k)

@@ -1,5 +1,6 @@
-"""Warm-up: where the cache has a slot for every expert, the link reads them all from
-the start, behind requests' own reads, without changing a bit of any reply."""
+"""Warm-up: the link reads experts into the cache from the start, behind requests' own
+reads, without changing a bit of any reply: every expert where each has a slot, else as
+many as the free slots take, the same share of each layer, never evicting."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _settle(eng: Engine, timeout_s: float = 60.0) -> None:
         eng.step(block=True)
 
 
-def test_an_idle_engine_reads_every_expert_once_and_only_where_all_fit(model) -> None:
+def test_an_idle_engine_reads_every_expert_once(model) -> None:
     n = model.config.n_routed_experts
     eng = Engine(model, EngineConfig(cache="1.0", storage="ssd"))
     try:
@@ -47,13 +48,35 @@ def test_an_idle_engine_reads_every_expert_once_and_only_where_all_fit(model) ->
         assert len(eng.snapshot().resident) == n
     finally:
         eng.close()
-    for config in (EngineConfig(cache="0.5"), EngineConfig(cache="1.0", warm=False)):
-        eng = Engine(model, config)
-        try:
-            eng.step()
-            assert not eng._warm and not eng._warming and eng.cache.stats.fetches == 0
-        finally:
-            eng.close()
+    eng = Engine(model, EngineConfig(cache="1.0", warm=False))
+    try:
+        eng.step()
+        assert not eng._warm and not eng._warming and eng.cache.stats.fetches == 0
+    finally:
+        eng.close()
+
+
+def test_a_smaller_cache_is_filled_evenly_and_requests_evict_nothing_for_it(model) -> None:
+    """Half the experts fit: the warm-up reads that many, the same count in each layer,
+    and stops; a request's reads then evict warmed experts, never the other way round."""
+    n, layers = model.config.n_routed_experts, model.config.n_layers
+    eng = Engine(model, EngineConfig(cache="0.5", storage="ssd"))
+    try:
+        slots = eng.cache.n_slots
+        assert 0 < slots < n and eng.snapshot().warm_left == slots
+        _settle(eng)
+        warmed = set(eng.cache.slot_of)
+        assert len(warmed) == slots == eng.cache.stats.fetches and eng.cache.stats.evictions == 0
+        per_layer = [sum(1 for k in warmed if k[0] == i) for i in range(layers)]
+        assert max(per_layer) - min(per_layer) <= 1
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        eng.submit(Submit("r", params, prompt_ids=[3, 9, 27, 4, 1]))
+        eng.run_until_idle(120)
+        assert not eng._warm and not eng._warming  # nothing more read for the warm-up
+        assert sum(eng.cache.ready) == slots and sum(eng.cache.refs) == 0
+        assert eng.cache.stats.fetches - slots == eng.cache.stats.evictions
+    finally:
+        eng.close()
 
 
 def test_requests_during_the_warm_up_get_the_replies_of_a_cold_engine(model) -> None:
