@@ -58,7 +58,8 @@ def test_an_idle_engine_reads_every_expert_once(model) -> None:
 
 def test_a_smaller_cache_is_filled_evenly_and_requests_evict_nothing_for_it(model) -> None:
     """Half the experts fit: the warm-up reads that many, the same count in each layer,
-    and stops; a request's reads then evict warmed experts, never the other way round."""
+    and stops; a request's reads then evict warmed experts, never the other way round.
+    Where a request is there from the first step, the warm-up waits for an idle engine."""
     n, layers = model.config.n_routed_experts, model.config.n_layers
     eng = Engine(model, EngineConfig(cache="0.5", storage="ssd"))
     try:
@@ -75,6 +76,13 @@ def test_a_smaller_cache_is_filled_evenly_and_requests_evict_nothing_for_it(mode
         assert not eng._warm and not eng._warming  # nothing more read for the warm-up
         assert sum(eng.cache.ready) == slots and sum(eng.cache.refs) == 0
         assert eng.cache.stats.fetches - slots == eng.cache.stats.evictions
+    finally:
+        eng.close()
+    eng = Engine(model, EngineConfig(cache="0.5", storage="ssd"))
+    try:
+        eng.submit(Submit("r", params, prompt_ids=[3, 9, 27, 4, 1]))
+        eng.run_until_idle(120)
+        assert len(eng._warm) == slots and not eng._warming
     finally:
         eng.close()
 
