@@ -1041,6 +1041,9 @@ class Engine:
             n_experts=self.model.config.n_experts,
             tokens_total=self.telemetry.n_tokens,
             expert_backend=self.expert_backend,
-            warm_left=len(self._warming) + sum(not cache.is_present(k) for k in self._warm),
+            # A warm-up under a budget that requests have kept from beginning reads nothing.
+            warm_left=0
+            if self._warm_when_idle and not self._warming and not self.idle
+            else len(self._warming) + sum(not cache.is_present(k) for k in self._warm),
             **self.memory(),
         )

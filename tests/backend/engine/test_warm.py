@@ -81,6 +81,8 @@ def test_a_smaller_cache_is_filled_evenly_and_requests_evict_nothing_for_it(mode
     eng = Engine(model, EngineConfig(cache="0.5", storage="ssd"))
     try:
         eng.submit(Submit("r", params, prompt_ids=[3, 9, 27, 4, 1]))
+        eng.step()
+        assert not eng.idle and eng.snapshot().warm_left == 0  # nothing said to be read
         eng.run_until_idle(120)
         assert len(eng._warm) == slots and not eng._warming
     finally:
