@@ -397,6 +397,12 @@ class Engine:
         return not self.running and not self.waiting
 
     @property
+    def _warm_held(self) -> bool:
+        """A warm-up under a budget that requests have kept from beginning (it begins at
+        an idle step): nothing of it is being read."""
+        return self._warm_when_idle and not self._warming and not self.idle
+
+    @property
     def has_work(self) -> bool:
         """Requests in flight, or messages not yet handled."""
         return not self.idle or not self._wake.empty()
@@ -419,7 +425,7 @@ class Engine:
         split run, ``scheduler.split``, does not count: no request moved on)."""
         self.jobs.stop.value = 0  # what arrives from here on is drained after the next job
         self._drain(block=False)
-        if self._warm and not self._warming and (self.idle or not self._warm_when_idle):
+        if self._warm and not self._warming and not self._warm_held:
             self._warm_more()  # the first step (or idle one); after it, each read's end
         self._admit()
         group = self._schedule()
@@ -1041,9 +1047,8 @@ class Engine:
             n_experts=self.model.config.n_experts,
             tokens_total=self.telemetry.n_tokens,
             expert_backend=self.expert_backend,
-            # A warm-up under a budget that requests have kept from beginning reads nothing.
             warm_left=0
-            if self._warm_when_idle and not self._warming and not self.idle
+            if self._warm_held
             else len(self._warming) + sum(not cache.is_present(k) for k in self._warm),
             **self.memory(),
         )
