@@ -40,9 +40,22 @@ class Balancer:
     together: bool = False
     switches: int = 0
     _last: float = float("-inf")
+    _changed: float = float("-inf")
 
     def due(self, now: float) -> bool:
         return now - self._last >= EVERY_S
+
+    def changed(self, now: float) -> None:
+        """What runs changed at ``now`` (a prompt's prefill ended: long prompts read
+        together hold their requests, and their decoding seldom should). The lanes'
+        history before it says little about what follows, so the decisions after it read
+        only the time since, at least ``EVERY_S`` of it: else decoding after a long
+        prefill stays held for most of a window (docs/performance.md)."""
+        self._changed = now
+
+    def window_start(self, now: float) -> float:
+        """Where the lanes' history that a decision at ``now`` reads begins."""
+        return min(max(now - WINDOW_S, self._changed), now - EVERY_S)
 
     def update(self, now: float, link_busy: float, compute_busy: float, n_running: int) -> bool:
         """Decide from the window's busy fractions (0..1) and the requests running; returns

@@ -30,7 +30,7 @@ import torch
 
 from backend.config import EngineConfig, MemoryPlan, plan_memory, system_memory
 from backend.engine import experts
-from backend.engine.balance import WINDOW_S, Balancer
+from backend.engine.balance import Balancer
 from backend.engine.cache import Claims, ExpertCache
 from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
@@ -851,6 +851,8 @@ class Engine:
 
     def _postprocess(self, r: Request, logits: torch.Tensor) -> bool:
         """Sample, stream, check stops. Returns whether the request goes on."""
+        if not r.out_ids and self.balancer is not None:
+            self.balancer.changed(time.perf_counter())  # its prompt is read: decoding now
         tok = self.model.tokenizer
         allowed = None
         if r.grammar is not None and (allowed := r.grammar.allowed()) is None:
@@ -939,7 +941,7 @@ class Engine:
     def _maybe_metrics(self) -> None:
         now = time.perf_counter()
         if self.balancer is not None and self.balancer.due(now):
-            w = self.telemetry.window(now - WINDOW_S, now)
+            w = self.telemetry.window(self.balancer.window_start(now), now)
             self.balancer.update(
                 now, w["link_busy_frac"], w["compute_busy_frac"], len(self.running)
             )

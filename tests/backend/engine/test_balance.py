@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from backend.config import EngineConfig, SamplingParams
-from backend.engine.balance import EVERY_S, Balancer
+from backend.engine.balance import EVERY_S, WINDOW_S, Balancer
 from backend.engine.loop import Engine
 from backend.engine.scheduler import Policy, make_policy
 from backend.messages import Submit, TokenEvent
-from tests.helpers.engine_runs import drain, expected_refs, rounds_inputs, run_staggered
+from tests.helpers.engine_runs import (
+    PROMPTS,
+    drain,
+    expected_refs,
+    rounds_inputs,
+    run_staggered,
+)
 from tests.helpers.spy import spy
 
 
@@ -32,6 +38,30 @@ def test_holds_while_compute_bound_and_lets_go_when_the_link_is_busy() -> None:
     assert b.switches == 4
     assert not b.update(5.0, link_busy=0.0, compute_busy=1.0, n_running=1)  # nothing to hold
     assert b.due(5.0 + EVERY_S) and not b.due(5.0 + EVERY_S / 2)
+
+
+def test_decisions_after_a_change_read_only_the_time_since() -> None:
+    """After a prompt's prefill ends, a decision reads the lanes only from then on (at
+    least ``EVERY_S`` of them), so a held prefill does not keep its decoding held."""
+    b = Balancer()
+    assert b.window_start(10.0) == 10.0 - WINDOW_S
+    b.changed(9.8)
+    assert b.window_start(10.0) == 10.0 - EVERY_S  # not yet EVERY_S since: the last EVERY_S
+    assert b.window_start(10.5) == 9.8
+    assert b.window_start(9.8 + WINDOW_S + 1.0) == 9.8 + 1.0  # the whole window after it
+
+
+def test_the_engine_marks_each_prompt_read(models) -> None:
+    """Each request's first token tells the balancer that what runs changed."""
+    model = models["mixtral-q8-gguf"]
+    eng = Engine(model, EngineConfig(policy="bevy", cache="1.0", storage="host"))
+    marks: list[float] = []
+    eng.balancer.changed = marks.append
+    try:
+        run_staggered(eng)
+    finally:
+        eng.close()
+    assert len(marks) == len(PROMPTS)
 
 
 def test_only_bevy_balances() -> None:
