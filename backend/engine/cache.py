@@ -124,6 +124,10 @@ class ExpertCache:
 
     # --- uses, pins ---------------------------------------------------------------------
 
+    def uses(self, key: Key) -> int:
+        """Jobs that have routed to ``key`` since start (``record_use``)."""
+        return self._uses.get(key, 0)
+
     def record_use(self, key: Key) -> None:
         """Count one use of ``key`` (a job routed to it): the eviction order's input."""
         self._tick += 1

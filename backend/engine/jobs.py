@@ -6,6 +6,7 @@ Legend: T tokens in the group, D hidden, K top-k, V vocab.
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -169,7 +170,11 @@ class JobRunner:
         its experts' uses as a job there would (``on_pass``); the requests end before the
         first layer with a missing expert (claimed and fetched as usual), or after the last
         with their logits. None where the walk does not take the group (the caller runs
-        ``run``): it must be the group's own claimed experts that the first layer runs."""
+        ``run``): it must be the group's own claimed experts that the first layer runs.
+
+        The expert backend packs (``NativeExperts.pack_used``) the first layer's experts
+        before the walk and the layers' it passed after it, each once used again since its
+        fill: the walk reads each expert as its slot holds it, packed or not."""
         walk = self.walk()
         layer = group[0].layer
         if (
@@ -192,12 +197,18 @@ class JobRunner:
         )
         pos = [r.start for r in group]
         rope = t.rope_table(max(pos) + 1, h.dtype)
+        first = Counter((layer, e) for r in group for e in r.needed)
+        self.experts.pack_used(first.items())
         reached, trail = walk.run(layer, h, x, ids, w, caches, pos, rope)
         if reached == layer:
             return None
+        passed_keys: Counter[tuple[int, int]] = Counter()
         for passed in range(layer + 1, min(reached, L)):
             for r, routes in zip(group, trail[passed].tolist(), strict=True):
-                self.on_pass(r, passed, tuple(sorted(set(routes))))
+                needed = tuple(sorted(set(routes)))
+                self.on_pass(r, passed, needed)
+                passed_keys.update((passed, e) for e in needed)
+        self.experts.pack_used(passed_keys.items())
         if reached < L:
             self._assign(group, reached, h, x, ids, w)
             return list(group), None

@@ -484,7 +484,8 @@ class Engine:
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, _FetchDone):
-            if msg.key in self._warming:
+            warmed = msg.key in self._warming
+            if warmed:
                 self._warming.discard(msg.key)
                 self._warm_more()
             if msg.error is not None:
@@ -494,6 +495,8 @@ class Engine:
             else:
                 self.layouts[msg.key] = msg.layout
                 self.cache.complete(msg.key)
+                if warmed:
+                    self.jobs.experts.warmed(msg.key)
         elif isinstance(msg, Submit):
             self._on_submit(msg)
         elif isinstance(msg, Abort):

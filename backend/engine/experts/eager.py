@@ -101,6 +101,10 @@ class EagerExperts:
         ref = self.experts[key[0]][key[1]]
         return dequantize_slot(self.slots[slot], ref, self.layouts[key], self.t.dtype)
 
+    def warmed(self, key: tuple[int, int]) -> None:
+        """The warm-up read ``key`` into its slot, ahead of any request: a backend that
+        prepares a slot's bytes for its kernels does it now. These keep them as read."""
+
     def stored_parts(self, layer: int, e: int) -> tuple[Part, Part, Part]:
         """The expert's gate, up and down as (bytes in its slot, block type, shape)."""
         key = (layer, e)

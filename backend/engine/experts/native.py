@@ -11,17 +11,19 @@ scaled and added in expert order.
 Q4_0 / Q4_1 weights are multiplied in 8-bit integers, their input rounded to 8 bits per
 block of 32 as llama.cpp's CPU kernels round theirs, by the same kernel however many
 rows they have, so an expert's bits do not depend on the policy or the batch. They are
-packed in their slot as the slot becomes ready (``native.pack``: 16 rows to a group, for
-a kernel that gives the same bits about 1.5x as fast at one or two rows) and stay packed
-until the slot is filled again: at every cache size measured the uses of a fill repaid
-its packing, or came even (docs/performance.md, "Q4 experts packed as their slot fills"
-and "The kernel on Q4 blocks as stored, sixteen rows at a time").
+packed in their slot (``native.pack``: 16 rows to a group, for a kernel that gives the same
+bits 1.2-1.4x as fast) before a product of ``PACK_ROWS`` rows or more (a prompt's), or
+before their first use after the one that brought them in, and stay packed until the
+slot is filled again. Packing an expert takes the engine's thread for about as long as
+the packed kernel saves over six one-row products, and under a small cache most fills
+are evicted after one use: those stay as stored (docs/performance.md, "Q4 experts
+packed at their second use").
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -32,6 +34,8 @@ from backend.kernels.quants import dequantize
 
 # Past this many rows, a prompt's expert is dequantized once for all its rows (see there).
 NATIVE_MAX_ROWS = native.EXPERT_MAX_ROWS
+# A product of this many rows repays packing its expert on its own.
+PACK_ROWS = 8
 
 
 class NativeExperts(EagerExperts):
@@ -51,6 +55,9 @@ class NativeExperts(EagerExperts):
         # Resident experts packed in their slots: the fill (slot, generation) they were
         # packed in (a slot is packed once per fill) and which of gate, up, down packed.
         self._packed: dict[tuple[int, int], tuple[tuple[int, int], tuple[bool, ...]]] = {}
+        # Resident experts not packed yet: the cache's count of their uses at the fill
+        # (``pack_used`` packs them once it grows).
+        self._unpacked: dict[tuple[int, int], int] = {}
         self.cache.on_ready, self.cache.on_gone = self._resident, self._gone
         for key, slot in self.cache.slot_of.items():
             if self.cache.ready[slot]:
@@ -62,22 +69,47 @@ class NativeExperts(EagerExperts):
         if bits is None:  # the walk stops before this expert; the layer path takes it
             self._gone(key)
             return
-        fill = (slot, self.cache.generation[slot])
-        if self._packed.get(key, (None,))[0] != fill:
-            stored = self.slots[slot]
-            self._packed[key] = (
-                fill,
-                tuple(
-                    native.pack(stored[o : o + p.nbytes], p.qtype, p.shape)
-                    for o, p in zip(at, self.experts[key[0]][key[1]].parts, strict=True)
-                ),
-            )
+        if self._packed.get(key, (None,))[0] != (slot, self.cache.generation[slot]):
+            self._packed.pop(key, None)
+            self._unpacked[key] = self.cache.uses(key)
         row = self.slots.data_ptr() + slot * self.slots.stride(0)
         i = 4 * (key[0] * self.n_table_experts + key[1])
         self.table[i : i + 4] = [row + at[0], row + at[1], row + at[2], self._types(key, bits)]
 
+    def pack_used(self, uses: Iterable[tuple[tuple[int, int], int]]) -> None:
+        """Before their kernels run (``uses``: each expert with the rows its product
+        takes now), pack each resident expert not packed yet whose product takes
+        ``PACK_ROWS`` or more rows, or that was routed to again since its fill (the
+        routing that brought it in comes before the fill). Others take the kernel on
+        the blocks as stored: the same bits."""
+        for key, rows in uses:
+            at_fill = self._unpacked.get(key)
+            if at_fill is not None and (rows >= PACK_ROWS or self.cache.uses(key) > at_fill):
+                self._pack(key)
+
+    def warmed(self, key: tuple[int, int]) -> None:
+        # Read while the engine waits (or behind requests' reads): nearly every warm-up
+        # fill is used, and packing it now keeps it off the first requests' time.
+        if key in self._unpacked:
+            self._pack(key)
+
+    def _pack(self, key: tuple[int, int]) -> None:
+        del self._unpacked[key]
+        slot = self.cache.slot_of[key]
+        stored, at = self.slots[slot], self.layouts[key]
+        self._packed[key] = (
+            (slot, self.cache.generation[slot]),
+            tuple(
+                native.pack(stored[o : o + p.nbytes], p.qtype, p.shape)
+                for o, p in zip(at, self.experts[key[0]][key[1]].parts, strict=True)
+            ),
+        )
+        i = 4 * (key[0] * self.n_table_experts + key[1])
+        self.table[i + 3] = self._types(key, self._kinds[key][1])
+
     def _gone(self, key: tuple[int, int]) -> None:
         self._packed.pop(key, None)
+        self._unpacked.pop(key, None)
         i = 4 * (key[0] * self.n_table_experts + key[1])
         self.table[i : i + 4] = [0, 0, 0, 0]
 
@@ -122,6 +154,7 @@ class NativeExperts(EagerExperts):
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if self._too_many((layer, e), x.shape[0]):
             return super().mlp(layer, e, x)
+        self.pack_used((((layer, e), x.shape[0]),))
         packed = self._parts_packed((layer, e))
         out = native.expert_mlp(self.stored_parts(layer, e), x, self.t.config.native_act, packed)
         if out is None:  # the start-up checks should make this impossible
@@ -192,6 +225,7 @@ class NativeExperts(EagerExperts):
                     i += 1
         if any(self._too_many((layer, e), len(rs)) for e, rs in by_expert.items()):
             return None
+        self.pack_used(((layer, e), len(rs)) for e, rs in by_expert.items())
         inner, hidden = self.experts[layer][0].gate.shape
         weights: list[int] = []
         types: list[int] = []
