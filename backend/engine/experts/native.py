@@ -13,8 +13,9 @@ block of 32 as llama.cpp's CPU kernels round theirs, by the same kernel however 
 rows they have, so an expert's bits do not depend on the policy or the batch. They are
 packed in their slot (``native.pack``: 16 rows to a group, for a kernel that gives the same
 bits 1.2-1.4x as fast) before a product of ``PACK_ROWS`` rows or more (a prompt's), or
-before their first use after the one that brought them in, and stay packed until the
-slot is filled again. Packing an expert takes the engine's thread for about as long as
+before their first use after the one that brought them in, or as they land where the
+warm-up read them or where the cache has a slot for every expert, and stay packed until
+the slot is filled again. Packing an expert takes the engine's thread for about as long as
 the packed kernel saves over six one-row products, and under a small cache most fills
 are evicted after one use: those stay as stored (docs/performance.md, "Q4 experts
 packed at their second use").
@@ -51,6 +52,7 @@ class NativeExperts(EagerExperts):
         # thread, which is also the only one that walks: the table never lags.
         n_experts = max((len(layer) for layer in self.experts), default=0)
         self.n_table_experts = n_experts
+        self._n_experts = sum(len(layer) for layer in self.experts)
         self.table = (ctypes.c_uint64 * (4 * len(self.experts) * n_experts))()
         # Resident experts packed in their slots: the fill (slot, generation) they were
         # packed in (a slot is packed once per fill) and which of gate, up, down packed.
@@ -75,6 +77,8 @@ class NativeExperts(EagerExperts):
         row = self.slots.data_ptr() + slot * self.slots.stride(0)
         i = 4 * (key[0] * self.n_table_experts + key[1])
         self.table[i : i + 4] = [row + at[0], row + at[1], row + at[2], self._types(key, bits)]
+        if key in self._unpacked and self.cache.n_slots >= self._n_experts:
+            self._pack(key)  # a slot for every expert: none is evicted, each used again
 
     def pack_used(self, uses: Iterable[tuple[tuple[int, int], int]]) -> None:
         """Before their kernels run (``uses``: each expert with the rows its product
