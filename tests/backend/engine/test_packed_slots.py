@@ -1,7 +1,8 @@
 """The native backend packs Q4 experts in their slots (``native.pack``) once routed to again
-after their fill, again at each fill, and every path that reads a slot reads it as its
-slot holds it, packed or as stored: the whole-layer kernel, the per-expert kernel, the
-decoding walk; to the same bits."""
+after their fill (or for a product of ``PACK_ROWS`` rows or more, or as they land where
+every expert has a slot), again at each fill, and every path that reads a slot reads it
+as its slot holds it, packed or as stored: the whole-layer kernel, the per-expert
+kernel, the decoding walk; to the same bits."""
 
 from __future__ import annotations
 
