@@ -6,7 +6,6 @@ Legend: T tokens in the group, D hidden, K top-k, V vocab.
 from __future__ import annotations
 
 import ctypes
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -197,18 +196,17 @@ class JobRunner:
         )
         pos = [r.start for r in group]
         rope = t.rope_table(max(pos) + 1, h.dtype)
-        first = Counter((layer, e) for r in group for e in r.needed)
-        self.experts.pack_used(first.items())
+        self.experts.pack_used((layer, e) for r in group for e in r.needed)
         reached, trail = walk.run(layer, h, x, ids, w, caches, pos, rope)
         if reached == layer:
             return None
-        passed_keys: Counter[tuple[int, int]] = Counter()
-        for passed in range(layer + 1, min(reached, L)):
-            for r, routes in zip(group, trail[passed].tolist(), strict=True):
-                needed = tuple(sorted(set(routes)))
-                self.on_pass(r, passed, needed)
-                passed_keys.update((passed, e) for e in needed)
-        self.experts.pack_used(passed_keys.items())
+        passed = range(layer + 1, min(reached, L))
+        for p in passed:
+            for r, routes in zip(group, trail[p].tolist(), strict=True):
+                self.on_pass(r, p, tuple(sorted(set(routes))))
+        self.experts.pack_used(
+            (p, e) for p in passed for row in trail[p].tolist() for e in set(row)
+        )
         if reached < L:
             self._assign(group, reached, h, x, ids, w)
             return list(group), None

@@ -24,6 +24,8 @@ packed at their second use").
 from __future__ import annotations
 
 import ctypes
+import itertools
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -80,13 +82,16 @@ class NativeExperts(EagerExperts):
         if key in self._unpacked and self.cache.n_slots >= self._n_experts:
             self._pack(key)  # a slot for every expert: none is evicted, each used again
 
-    def pack_used(self, uses: Iterable[tuple[tuple[int, int], int]]) -> None:
-        """Before their kernels run (``uses``: each expert with the rows its product
+    def pack_used(self, uses: Iterable[tuple[int, int]]) -> None:
+        """Before their kernels run (``uses``: each expert once per row its product
         takes now), pack each resident expert not packed yet whose product takes
         ``PACK_ROWS`` or more rows, or that was routed to again since its fill (the
         routing that brought it in comes before the fill). Others take the kernel on
-        the blocks as stored: the same bits."""
-        for key, rows in uses:
+        the blocks as stored: the same bits. With every resident expert packed (a cache
+        holding them all), ``uses`` is not read."""
+        if not self._unpacked:
+            return
+        for key, rows in Counter(uses).items():
             at_fill = self._unpacked.get(key)
             if at_fill is not None and (rows >= PACK_ROWS or self.cache.uses(key) > at_fill):
                 self._pack(key)
@@ -158,7 +163,7 @@ class NativeExperts(EagerExperts):
     def mlp(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         if self._too_many((layer, e), x.shape[0]):
             return super().mlp(layer, e, x)
-        self.pack_used((((layer, e), x.shape[0]),))
+        self.pack_used(itertools.repeat((layer, e), x.shape[0]))
         packed = self._parts_packed((layer, e))
         out = native.expert_mlp(self.stored_parts(layer, e), x, self.t.config.native_act, packed)
         if out is None:  # the start-up checks should make this impossible
@@ -229,7 +234,7 @@ class NativeExperts(EagerExperts):
                     i += 1
         if any(self._too_many((layer, e), len(rs)) for e, rs in by_expert.items()):
             return None
-        self.pack_used(((layer, e), len(rs)) for e, rs in by_expert.items())
+        self.pack_used((layer, e) for e, rs in by_expert.items() for _ in rs)
         inner, hidden = self.experts[layer][0].gate.shape
         weights: list[int] = []
         types: list[int] = []
