@@ -991,8 +991,7 @@ class Engine:
         """Metrics over the last ``window_s``; lanes and residency for live views."""
         now = now or time.perf_counter()
         w = self.telemetry.window(now - window_s, now)
-        link, comp = self.telemetry.merged_lanes(now - lane_window_s, now)
-        rel = lambda lane: tuple((s - now, e - now) for s, e in lane)  # noqa: E731
+        link, comp = self.telemetry.merged_lanes(now - lane_window_s, now, origin=now)
         cache = self.cache
         resident = tuple(k for k, slot in cache.slot_of.items() if cache.ready[slot])
         n_layers = self.model.config.n_layers
@@ -1045,8 +1044,8 @@ class Engine:
             runahead=self.runahead_state(),
             requests=tuple(progress),
             lane_window_s=lane_window_s,
-            link_lane=rel(link),
-            compute_lane=rel(comp),
+            link_lane=tuple(link),
+            compute_lane=tuple(comp),
             resident=resident,
             n_layers=n_layers,
             n_experts=self.model.config.n_experts,

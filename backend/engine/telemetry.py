@@ -21,19 +21,21 @@ Interval = tuple[float, float]
 MERGE_GAP_S = 5e-4
 
 
-def overlap(a: list[Interval], b: list[Interval]) -> float:
-    """Total time both lanes are busy (each list sorted, non-overlapping)."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+def overlap(a, b) -> float:
+    """Total time both lanes are busy: each lane's busy time less that of their union
+    (each lane's intervals sorted and disjoint; ``(start, end)`` pairs or an ``(n, 2)``
+    array). In NumPy: a live snapshot reads thousands of intervals on the engine's thread."""
+    a, b = np.asarray(a, dtype=float).reshape(-1, 2), np.asarray(b, dtype=float).reshape(-1, 2)
+    both = np.concatenate((a, b))
+    if not len(both):
+        return 0.0
+    both = both[np.argsort(both[:, 0], kind="stable")]
+    # each interval adds to the union what reaches past every interval begun before it
+    reach = np.maximum.accumulate(both[:, 1])
+    before = np.concatenate(([-np.inf], reach[:-1]))
+    union = np.clip(both[:, 1] - np.maximum(both[:, 0], before), 0.0, None).sum()
+    busy = (a[:, 1] - a[:, 0]).sum() + (b[:, 1] - b[:, 0]).sum()
+    return max(0.0, float(busy - union))
 
 
 def coalesce(intervals: list[Interval], gap: float) -> list[Interval]:
@@ -45,10 +47,6 @@ def coalesce(intervals: list[Interval], gap: float) -> list[Interval]:
         else:
             out.append((s, e))
     return out
-
-
-def clip(intervals: list[Interval], start: float, end: float) -> list[Interval]:
-    return [(max(s, start), min(e, end)) for s, e in intervals if e > start and s < end]
 
 
 @dataclass
@@ -163,8 +161,13 @@ class Lane:
                 yield self._make(*row) if self._make else row
 
 
-def _intervals(starts: np.ndarray, ends: np.ndarray) -> list[Interval]:
-    return list(zip(starts.tolist(), ends.tolist(), strict=True))
+def _clipped(
+    lane: tuple[np.ndarray, np.ndarray], start: float, end: float, origin: float = 0.0
+) -> list[Interval]:
+    """A window's intervals (``Lane.window``) clipped to [start, end], less ``origin``."""
+    s, e = lane
+    lo, hi = (np.maximum(s, start) - origin).tolist(), (np.minimum(e, end) - origin).tolist()
+    return list(zip(lo, hi, strict=True))
 
 
 class Telemetry:
@@ -234,36 +237,39 @@ class Telemetry:
         else:
             merged.append(start, end)
 
-    def merged_lanes(self, start: float, end: float) -> tuple[list[Interval], list[Interval]]:
+    def merged_lanes(
+        self, start: float, end: float, origin: float = 0.0
+    ) -> tuple[list[Interval], list[Interval]]:
         """Both lanes over [start, end], intervals closer than ``MERGE_GAP_S`` merged:
         what ``coalesce`` gives for ``lanes`` (to within that gap at ``start``), at the
-        cost of the few merged intervals."""
+        cost of the few merged intervals; times less ``origin``."""
         with self._lock:
-            link = _intervals(*self._merged["link"].window(start, end))
-            comp = _intervals(*self._merged["compute"].window(start, end))
-        return clip(link, start, end), clip(comp, start, end)
+            link = self._merged["link"].window(start, end)
+            comp = self._merged["compute"].window(start, end)
+        return _clipped(link, start, end, origin), _clipped(comp, start, end, origin)
 
     def lanes(self, start: float, end: float) -> tuple[list[Interval], list[Interval]]:
         """Intervals of each lane overlapping [start, end], clipped to it, oldest first.
         Costs the window, not the log."""
         with self._lock:
-            link = _intervals(*self.link.window(start, end))
-            comp = _intervals(*self.compute.window(start, end))
-        return clip(link, start, end), clip(comp, start, end)
+            link, comp = self.link.window(start, end), self.compute.window(start, end)
+        return _clipped(link, start, end), _clipped(comp, start, end)
 
     def window(self, start: float, end: float) -> dict[str, float]:
         """Busy fractions over [start, end]."""
         wall = max(end - start, 1e-9)
-        link, comp = self.lanes(start, end)
-        link_s, comp_s = sum(e - s for s, e in link), sum(e - s for s, e in comp)
         with self._lock:
+            lanes = [self.link.window(start, end), self.compute.window(start, end)]
             n_tokens = self.tokens.count(start, end)
+        link, comp = (np.column_stack((np.maximum(s, start), np.minimum(e, end))) for s, e in lanes)
+        link_s, comp_s = (float((x[:, 1] - x[:, 0]).sum()) for x in (link, comp))
+        both = overlap(link, comp)
         return {
             "wall_s": wall,
             "link_busy_s": link_s,
             "compute_busy_s": comp_s,
-            "both_busy_s": overlap(link, comp),
-            "both_busy_frac": overlap(link, comp) / wall,
+            "both_busy_s": both,
+            "both_busy_frac": both / wall,
             "compute_busy_frac": comp_s / wall,
             "link_busy_frac": link_s / wall,
             "compute_wait_frac": max(0.0, 1.0 - comp_s / wall),

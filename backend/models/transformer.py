@@ -111,7 +111,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         tensors = [*self.k, *self.v, *(t for _, *pair in self.state.values() for t in pair)]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.nbytes for t in tensors if t is not None)
 
 
 @dataclass

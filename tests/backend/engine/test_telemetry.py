@@ -90,3 +90,23 @@ def test_a_group_of_requests_is_held_once() -> None:
         t.record_compute(i, i + 1, i, tuple(["a", "b"]), 2)
     groups = {id(e.requests) for e in t.compute}
     assert len(groups) == 1
+
+
+def test_overlap_is_the_sum_of_pairwise_intersections() -> None:
+    """The union-based overlap against the plain definition, on lanes of random gaps."""
+    import random
+
+    rng = random.Random(3)
+
+    def lane(n: int) -> list[tuple[float, float]]:
+        out, t = [], 0.0
+        for _ in range(n):
+            t += rng.random() * 2e-3
+            out.append((t, t + rng.random() * 3e-3))
+            t = out[-1][1]
+        return out
+
+    for n, m in [(0, 5), (1, 1), (40, 7), (300, 250)]:
+        a, b = lane(n), lane(m)
+        want = sum(max(0.0, min(e, f) - max(s, r)) for s, e in a for r, f in b)
+        assert abs(overlap(a, b) - want) < 1e-9
