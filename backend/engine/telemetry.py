@@ -21,7 +21,7 @@ Interval = tuple[float, float]
 MERGE_GAP_S = 5e-4
 
 
-def overlap(a, b) -> float:
+def overlap(a: list[Interval] | np.ndarray, b: list[Interval] | np.ndarray) -> float:
     """Total time both lanes are busy: each lane's busy time less that of their union
     (each lane's intervals sorted and disjoint; ``(start, end)`` pairs or an ``(n, 2)``
     array). In NumPy: a live snapshot reads thousands of intervals on the engine's thread."""
@@ -161,13 +161,18 @@ class Lane:
                 yield self._make(*row) if self._make else row
 
 
+def _clip(lane: tuple[np.ndarray, np.ndarray], start: float, end: float) -> np.ndarray:
+    """A window's intervals (``Lane.window``) clipped to [start, end], as an (n, 2) array."""
+    s, e = lane
+    return np.column_stack((np.maximum(s, start), np.minimum(e, end)))
+
+
 def _clipped(
     lane: tuple[np.ndarray, np.ndarray], start: float, end: float, origin: float = 0.0
 ) -> list[Interval]:
-    """A window's intervals (``Lane.window``) clipped to [start, end], less ``origin``."""
-    s, e = lane
-    lo, hi = (np.maximum(s, start) - origin).tolist(), (np.minimum(e, end) - origin).tolist()
-    return list(zip(lo, hi, strict=True))
+    """``_clip``'s intervals as pairs, less ``origin``."""
+    c = _clip(lane, start, end) - origin
+    return list(zip(c[:, 0].tolist(), c[:, 1].tolist(), strict=True))
 
 
 class Telemetry:
@@ -261,7 +266,7 @@ class Telemetry:
         with self._lock:
             lanes = [self.link.window(start, end), self.compute.window(start, end)]
             n_tokens = self.tokens.count(start, end)
-        link, comp = (np.column_stack((np.maximum(s, start), np.minimum(e, end))) for s, e in lanes)
+        link, comp = (_clip(lane, start, end) for lane in lanes)
         link_s, comp_s = (float((x[:, 1] - x[:, 0]).sum()) for x in (link, comp))
         both = overlap(link, comp)
         return {
