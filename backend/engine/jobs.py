@@ -200,13 +200,15 @@ class JobRunner:
         reached, trail = walk.run(layer, h, x, ids, w, caches, pos, rope)
         if reached == layer:
             return None
-        passed = range(layer + 1, min(reached, L))
-        for p in passed:
-            for r, routes in zip(group, trail[p].tolist(), strict=True):
-                self.on_pass(r, p, tuple(sorted(set(routes))))
-        self.experts.pack_used(
-            (p, e) for p in passed for row in trail[p].tolist() for e in set(row)
-        )
+        # each passed layer's experts, per row of the group
+        passed = {
+            p: [tuple(sorted(set(routes))) for routes in trail[p].tolist()]
+            for p in range(layer + 1, min(reached, L))
+        }
+        for p, needs in passed.items():
+            for r, needed in zip(group, needs, strict=True):
+                self.on_pass(r, p, needed)
+        self.experts.pack_used((p, e) for p, needs in passed.items() for n in needs for e in n)
         if reached < L:
             self._assign(group, reached, h, x, ids, w)
             return list(group), None
