@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -137,6 +139,80 @@ def test_reuse_without_positions_is_lfu() -> None:
             c.complete(k)
             c.unpin(k)
     assert set(a.slot_of) == set(b.slot_of) == {(0, 0), (2, 0), (4, 0)}
+
+
+def reuse_choice(c: ExpertCache):
+    """The entry ``reuse`` evicts, by its definition over every evictable entry afresh:
+    latest expected next use, then fewest uses, then oldest use; entries a request wants
+    only when nothing else is evictable (then the least used)."""
+    evictable = list(c._lru)
+    if not evictable:
+        return None
+    free = [k for k in evictable if k not in c._wanted]
+    if not free:
+        return min(evictable, key=lambda k: (c.uses(k), c._last.get(k, 0), k))
+
+    def rank(k):
+        t = c._reuse_time(k[0], c.uses(k)) if c._positions else 0.0
+        return (-t, c.uses(k), c._last.get(k, 0), k)
+
+    return min(free, key=rank)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reuse_evicts_what_its_definition_picks(seed: int) -> None:
+    """The layers' ranks ``reuse`` keeps between evictions (dropped when the requests
+    move or a layer is passed, pushed anew when an entry is freed) choose the entry a
+    fresh evaluation of every evictable entry chooses, as requests move, join and leave.
+    Seeded random runs: a wrong choice is rare (keeping the ranks when the requests
+    move chooses wrongly about once in 200 evictions), so many evictions are checked."""
+    rnd = random.Random(seed)
+    n_layers, evictions = 6, 0
+    for _ in range(150):
+        c = ExpertCache(rnd.randint(2, 8), "reuse")
+        at: list[int] = [0, 2]  # the running requests' layers
+        pins: dict[tuple[int, int], int] = {}
+        for _ in range(300):
+            op = rnd.choice(
+                ["use", "use", "fetch", "fetch", "move", "join", "leave", "pin", "unpin"]
+            )
+            e, step = rnd.randrange(24), rnd.randint(1, 3)
+            k = (e % n_layers, e // n_layers)
+            if op == "use":
+                c.record_pass(k[0])
+                if step != 3:  # some passes route elsewhere
+                    c.record_use(k)
+            elif op in ("move", "join", "leave"):
+                if op == "move" and at:
+                    i = e % len(at)
+                    at[i] = (at[i] + step) % n_layers  # a walk of `step` layers, wrapping
+                elif op == "join" and len(at) < 5:
+                    at.append(e % n_layers - (step == 3))  # -1: a prompt not yet at a layer
+                elif op == "leave" and at:
+                    at.pop(e % len(at))
+                wanted = frozenset((p % n_layers, step) for p in at[: e % 3])
+                c.set_positions(at, n_layers, wanted)
+            elif op == "fetch" and not c.is_present(k):
+                full = len(c.slot_of) >= c.n_slots
+                expected = reuse_choice(c) if full else None
+                before = set(c.slot_of)
+                if c.reserve(k) is None:
+                    assert full and expected is None
+                    continue
+                evictions += full
+                assert before - set(c.slot_of) == ({expected} if full else set())
+                c.complete(k)
+                if step == 1:
+                    pins[k] = pins.get(k, 0) + 1  # a job still holds it
+                else:
+                    c.unpin(k)
+            elif op == "pin" and c.is_ready(k):
+                c.pin(k)
+                pins[k] = pins.get(k, 0) + 1
+            elif op == "unpin" and pins.get(k):
+                c.unpin(k)
+                pins[k] -= 1
+    assert evictions > 2000
 
 
 def test_pinned_entries_are_never_evicted() -> None:
