@@ -187,7 +187,7 @@ def test_reuse_evicts_what_its_definition_picks(seed: int) -> None:
                     i = e % len(at)
                     at[i] = (at[i] + step) % n_layers  # a walk of `step` layers, wrapping
                 elif op == "join" and len(at) < 5:
-                    at.append(e % n_layers - (step == 3))  # -1: a prompt not yet at a layer
+                    at.append(-1 if step == 3 else e % n_layers)  # -1: a prompt entering
                 elif op == "leave" and at:
                     at.pop(e % len(at))
                 wanted = frozenset((p % n_layers, step) for p in at[: e % 3])
