@@ -22,7 +22,7 @@ from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine, short_switch_interval
 from backend.engine.memory import trim_heap
 from backend.errors import BevyError
-from backend.messages import ErrorEvent, Submit, TokenEvent
+from backend.messages import ErrorEvent, MetricsSnapshot, Submit, TokenEvent
 from backend.models.generate import chat_prompt_ids, greedy_reference
 from backend.models.loader import LoadedModel
 
@@ -66,6 +66,9 @@ class BenchPlan:
     kv_type: str = "auto"  # how the KV cache stores keys and values (EngineConfig.kv_type)
     link_rate: int = 0  # bytes a second of a paced link (EngineConfig.link_rate); 0: none
     keep_lanes: bool = False  # records carry each lane's busy intervals (compare view)
+    # The engine builds its live snapshots (the panels', /v1/stats) as it serves; off, the
+    # policies are compared without that cost, which each pays by its own events.
+    live_metrics: bool = False
 
 
 def prompts_for(model: LoadedModel, workload: str, n: int) -> list[list[int]]:
@@ -97,7 +100,7 @@ def run_once(
         # Policies are compared on the reads their requests need: no warm-up reads in the
         # link's figures (a 100 % cache would otherwise read every expert meanwhile).
         warm=False,
-        metrics_interval_s=3600,
+        metrics_interval_s=EngineConfig.metrics_interval_s if plan.live_metrics else 3600,
         slot_format=plan.slot_format,
         expert_backend=plan.expert_backend,
         working_set_mib=plan.working_set_mib,
@@ -120,6 +123,7 @@ def run_once(
         peak_rss = peak_engine = 0
         sampled = 0.0
         first_at: list[float] = []  # seconds from submission to each request's first token
+        snapshots = 0
         while eng.has_work:
             eng.step()
             # Memory read every MEMORY_EVERY_S, not every few steps: each read (the RSS and
@@ -136,6 +140,8 @@ def run_once(
                     if not tokens[ev.request_id]:
                         first_at.append(time.perf_counter() - t_start)
                     tokens[ev.request_id].append(ev.token_id)
+                elif isinstance(ev, MetricsSnapshot):
+                    snapshots += 1
                 elif isinstance(ev, ErrorEvent):
                     raise BevyError(f"bench request {ev.request_id} failed: {ev.message}")
             if mark is None and all(tokens.values()):
@@ -184,6 +190,7 @@ def run_once(
         "step_over_bound": window["wall_s"]
         / max(window["compute_busy_s"], window["link_busy_s"], 1e-9),
         "prefill_s": t0 - t_start,
+        "snapshots": snapshots,  # live snapshots the engine built in the whole run
         "first_token_p50_s": statistics.median(first_at),
         # Every token over the whole run, prompts included: runs whose requests reach
         # their first tokens at different times are measured over the same work.
@@ -292,6 +299,7 @@ def run_bench(
                 "device": plan.device,
                 "eviction": plan.eviction,
                 "link_rate": plan.link_rate,
+                "live_metrics": plan.live_metrics,
                 **med,
                 "slot_format": runs[0]["slot_format"],
                 "expert_backend": runs[0]["expert_backend"],
@@ -336,6 +344,7 @@ def format_tables(records: list[dict]) -> str:
                 r["storage"],
                 r["device"],
                 r.get("link_rate", 0),
+                r.get("live_metrics", False),
             ),
             [],
         ).append(r)
@@ -360,8 +369,9 @@ def format_tables(records: list[dict]) -> str:
         "peak MiB",
         "exact",
     )
-    for (w, n, c, st, dev, rate), rows in groups.items():
+    for (w, n, c, st, dev, rate, live), rows in groups.items():
         paced = f", link paced to {rate / 1e9:.2f} GB/s" if rate else ""
+        paced += ", live metrics" if live else ""
         out.append(f"## {w}, {n} requests, cache {c:.0%}, storage {st}, device {dev}{paced}")
         table = [head]
         for r in rows:

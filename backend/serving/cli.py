@@ -218,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a link of that speed would carry it, one after another (the reads stay real), to "
         "compare policies where the disk's own speed swings (SSD store, Linux)",
     )
+    bench.add_argument(
+        "--live-metrics",
+        action="store_true",
+        help="have the engine build its live snapshots (the app's panels, /v1/stats) as it "
+        "does when serving; off by default, so that policies are compared on "
+        "their own work",
+    )
     _add_store_args(bench)
     bench.add_argument("--json", type=Path, default=None, help="write records to this JSON file")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG (needs matplotlib)")
@@ -494,6 +501,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             working_set_mib=args.working_set,
             kv_type=args.kv_type,
             link_rate=_rate(args.link_rate) if args.link_rate else 0,
+            live_metrics=args.live_metrics,
         )
     except ValueError as exc:
         raise BevyError(str(exc)) from None

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.bench.runner import BenchPlan, format_tables, run_bench
+from backend.bench import runner
+from backend.bench.runner import BenchPlan, format_tables, prompts_for, run_bench, run_once
+from backend.config import EngineConfig
 from backend.models.loader import load_model
 from benchmarks import targets
 from tests.helpers.tiny import make_tiny_chat
@@ -61,7 +63,8 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
     assert "peak MiB" in table and "all x sync" in table and "link CPU ms" in table
     assert "rows/run" in table
     # benchmarks/targets.py reads these records: one verdict line per check, each config named
-    assert all(r["eviction"] == "lfu" for r in records)
+    assert all(r["eviction"] == "lfu" and r["live_metrics"] is False for r in records)
+    assert "live metrics" not in table
     text, _ = targets.report(records)
     assert "tokens identical to plain generation at agentic 3 req, 30%, ssd, cpu, lfu" in text
     trace = json.loads((tmp_path / "t.bevy.json").read_text())
@@ -72,14 +75,32 @@ def test_bench_records_and_tables(chat_model: Path, tmp_path: Path) -> None:
 def test_bench_cli_writes_json(chat_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "backend.serving.cli", "bench", "--model", str(chat_model), "--policies", "bevy,sync", "--requests", "2", "--tokens", "3", "--storage", "host", "--json", str(out)],
+        [sys.executable, "-m", "backend.serving.cli", "bench", "--model", str(chat_model), "--policies", "bevy,sync", "--requests", "2", "--tokens", "3", "--storage", "host", "--live-metrics", "--json", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     records = json.loads(out.read_text())
     assert [r["policy"] for r in records] == ["bevy", "sync"] and all(
-        r["storage"] == "host" for r in records
+        r["storage"] == "host" and r["live_metrics"] is True for r in records
     )
+    assert "cache 30%, storage host, device cpu, live metrics" in done.stdout
+
+
+def test_live_metrics_snapshot_as_serving_does(chat_model: Path, monkeypatch) -> None:
+    seen = []
+
+    class Engine(runner.Engine):
+        def __init__(self, model, config: EngineConfig) -> None:
+            seen.append(config.metrics_interval_s)
+            super().__init__(model, config)
+
+    monkeypatch.setattr(runner, "Engine", Engine)
+    model = load_model(chat_model)
+    prompts = prompts_for(model, "chat", 2)
+    for live in (True, False):
+        rec = run_once(model, "bevy", prompts, 0.3, BenchPlan(tokens=2, live_metrics=live))
+        assert rec["snapshots"] >= 1  # the last request out always leaves one
+    assert seen == [EngineConfig.metrics_interval_s, 3600]
 
 
 def test_bench_cli_rejects_unknown_policy(chat_model: Path) -> None:
