@@ -370,6 +370,11 @@ def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
     # (The C loop's reads go on at the SSD's speed; each landed one is reported later.)
     for name in ("_land", "_fetch_now", "_landed"):
         monkeypatch.setattr(Fetcher, name, _slowed(getattr(Fetcher, name)))
+
+    def both_kinds(splits) -> bool:  # a prompt applied some experts, and a decoding row
+        rows = [n for part in splits for n in part]
+        return any(n > 1 for n in rows) and any(n == 1 for n in rows)
+
     results = {}
     for split in (True, False):
         splits: list[list[int]] = []  # each split run's requests' rows, as it ran
@@ -380,12 +385,17 @@ def test_split_jobs_change_no_result(models, monkeypatch, model_name) -> None:
 
         monkeypatch.setattr(Engine, "_run_split", recorded)
         config = EngineConfig(policy="bevy", cache="0.3", storage="ssd")
-        results[split] = (run_clean(models[model_name], config, split=split), splits)
-    (out, splits), (out0, splits0) = results[True], results[False]
+        outs = [run_clean(models[model_name], config, split=split)]
+        # Which kinds of split run come still hangs on timing: CI's machine once saw no
+        # prompt's split run in one; up to two more runs, each checked below.
+        while split and len(outs) < 3 and not both_kinds(splits):
+            outs.append(run_clean(models[model_name], config, split=split))
+        results[split] = (outs, splits)
+    (outs, splits), (outs0, splits0) = results[True], results[False]
     assert splits and not splits0
-    assert any(n > 1 for rows in splits for n in rows)  # a prompt applied some experts
-    assert any(n == 1 for rows in splits for n in rows)
-    assert_same_results(out, out0)
+    assert both_kinds(splits)
+    for out in outs:
+        assert_same_results(out, outs0[0])
 
 
 @pytest.mark.parametrize("chunk", ["one", "per-expert"])
