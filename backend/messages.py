@@ -89,6 +89,10 @@ class MetricsSnapshot:
     n_experts: int = 0  # routed experts per layer
     tokens_total: int = 0
     expert_backend: str = ""  # the engine's expert-compute backend (backend/engine/experts)
+    # Threads computing now, of the most the engine started with: fewer while other
+    # processes keep CPUs busy (backend/engine/pool.py). 0: not reported.
+    compute_threads: int = 0
+    compute_threads_max: int = 0
     # Experts the start-up warm-up has still to read (0: none left, or no warm-up).
     warm_left: int = 0
     # Memory in bytes: the process's resident set; the total it was planned within

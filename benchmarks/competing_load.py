@@ -48,7 +48,8 @@ def main() -> int:
                 print(
                     f"run {rep + 1} {policy:16s} {r['tokens_per_s']:6.2f} tok/s  "
                     f"compute {r['compute_busy_s']:5.1f} s  link {r['link_busy_s']:5.1f} s  "
-                    f"wall {r['wall_s']:5.1f} s",
+                    f"wall {r['wall_s']:5.1f} s  threads {r['compute_threads']} "
+                    f"({r['pool_changes']} changes)",
                     flush=True,
                 )
     finally:

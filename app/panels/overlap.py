@@ -135,9 +135,11 @@ class OverlapPanel(ThemedPanel):
         self.both_busy_label = QLabel("both busy –")
         self.compute_wait_label = QLabel("compute waiting –")
         self.runahead_label = QLabel("runahead –")
+        self.threads_label = QLabel("")
         header = QHBoxLayout()
         header.setSpacing(18)
-        for label in (self.both_busy_label, self.compute_wait_label, self.runahead_label):
+        labels = (self.both_busy_label, self.compute_wait_label, self.runahead_label)
+        for label in (*labels, self.threads_label):
             label.setFont(bold)
             header.addWidget(label)
         header.addStretch(1)
@@ -155,6 +157,11 @@ class OverlapPanel(ThemedPanel):
             "small for every request's experts at once. held: compute is the bottleneck "
             "and the link idles, so requests advance together in bigger batches. off: a "
             "lockstep policy (sync)."
+        )
+        self.threads_label.setToolTip(
+            "Threads computing the model, of the most it may use. Fewer while other "
+            "programs keep CPU cores busy: sharing a core with one of them would make every "
+            "step of the computation wait for it."
         )
 
         self.plot = make_plot(theme)
@@ -202,6 +209,10 @@ class OverlapPanel(ThemedPanel):
             self.both_busy_label.setText("idle: no requests")
             self.compute_wait_label.setText("")
         self.runahead_label.setText(f"runahead {snap.runahead or '–'}")
+        most = snap.compute_threads_max
+        self.threads_label.setText(
+            f"threads {snap.compute_threads} of {most}" if snap.compute_threads < most else ""
+        )
         if snap.runahead != self._runahead:
             self._runahead = snap.runahead
             self._colour_runahead(theme_for(self))
@@ -216,6 +227,7 @@ class OverlapPanel(ThemedPanel):
     def _colour_runahead(self, theme: PanelTheme) -> None:
         color = {"on": theme.good, "limited": theme.warn}.get(self._runahead, theme.neutral)
         self.runahead_label.setStyleSheet(f"color: {color.name()}")
+        self.threads_label.setStyleSheet(f"color: {theme.warn.name()}")
 
 
 def _clip(intervals: np.ndarray, lo: float, hi: float) -> np.ndarray:

@@ -191,6 +191,10 @@ def run_once(
         / max(window["compute_busy_s"], window["link_busy_s"], 1e-9),
         "prefill_s": t0 - t_start,
         "snapshots": snapshots,  # live snapshots the engine built in the whole run
+        # The compute team at the run's end and how often its size changed (fewer threads
+        # while other processes keep CPUs busy: backend/engine/pool.py).
+        "compute_threads": eng.compute_threads,
+        "pool_changes": eng.pool.changes if eng.pool is not None else 0,
         "first_token_p50_s": statistics.median(first_at),
         # Every token over the whole run, prompts included: runs whose requests reach
         # their first tokens at different times are measured over the same work.

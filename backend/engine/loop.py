@@ -36,6 +36,7 @@ from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.jobs import JobRunner
 from backend.engine.memory import release_pages, rss_bytes, trim_heap
+from backend.engine.pool import ComputePool, cpu_use, machine_cpus
 from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, progress, prompt_part, riders, split
@@ -298,6 +299,14 @@ class Engine:
         model.transformer.set_kv_type(config.kv_type)
         self.kv_bytes_per_token = c.kv_values_per_token * model.transformer.kv_dtype.itemsize
         self.balancer = Balancer() if self.policy.balance else None
+        # The compute team sized to the CPUs other processes leave it; on an accelerator
+        # the CPU's threads carry little of the work.
+        self.pool = (
+            ComputePool(self._compute_threads, machine_cpus())
+            if device.type == "cpu" and self._compute_threads > 1
+            else None
+        )
+        self._resized_on: int | None = None  # the thread whose team the pool resized
         self._thread: threading.Thread | None = None
         self._capped = device.type == "cuda" and bool(config.memory)
         if self._capped:  # last: an engine that failed to start leaves no cap behind
@@ -391,6 +400,10 @@ class Engine:
         # may come many engines later (each `bevy bench` run opens one).
         self.jobs.unhook()
         self.cache.on_ready = self.cache.on_gone = None
+        # A caller that stepped the engine on its own thread (``bevy bench``) gets back the
+        # team size it had, not the pool's last.
+        if self._resized_on == threading.get_ident():
+            torch.set_num_threads(self._compute_threads)
 
     @property
     def idle(self) -> bool:
@@ -948,6 +961,11 @@ class Engine:
             self.balancer.update(
                 now, w["link_busy_frac"], w["compute_busy_frac"], len(self.running)
             )
+        if self.pool is not None and self.pool.due(now):
+            threads = self.pool.update(now, *cpu_use())
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+                self._resized_on = threading.get_ident()
         if now - self._last_metrics >= self.config.metrics_interval_s:
             self._last_metrics = now
             self._emit(self.snapshot(now))
@@ -969,6 +987,11 @@ class Engine:
             "kv_bytes": sum(r.kv.nbytes for r in self.running if r.kv is not None),
             "dense_bytes": self._dense_bytes,
         }
+
+    @property
+    def compute_threads(self) -> int:
+        """Threads the engine computes with now (``ComputePool``)."""
+        return self.pool.threads if self.pool is not None else self._compute_threads
 
     @property
     def _held(self) -> bool:
@@ -1051,6 +1074,8 @@ class Engine:
             n_experts=self.model.config.n_experts,
             tokens_total=self.telemetry.n_tokens,
             expert_backend=self.expert_backend,
+            compute_threads=self.compute_threads,
+            compute_threads_max=self._compute_threads,
             warm_left=0
             if self._warm_held
             else len(self._warming) + sum(not cache.is_present(k) for k in self._warm),

@@ -24,6 +24,7 @@ _METRICS = (
     ("cache_used_slots", "gauge", "cache_used", "Expert cache slots in use."),
     ("cache_pinned_slots", "gauge", "cache_pinned", "Expert cache slots pinned by requests."),
     ("warm_up_experts_left", "gauge", "warm_left", "Experts the start-up read has left."),
+    ("compute_threads", "gauge", "compute_threads", "Threads computing (fewer under load)."),
     ("resident_memory_bytes", "gauge", "rss_bytes", "The server process's resident set."),
     ("device_memory_bytes", "gauge", "device_bytes", "torch's pool on CUDA (0: CPU)."),
     ("memory_budget_bytes", "gauge", "memory_budget_bytes", "Total planned in (0: none)."),

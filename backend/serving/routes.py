@@ -459,6 +459,9 @@ class ApiServer:
                 "cache_used": s.cache_used,
                 "cache_pinned": s.cache_pinned,
                 "runahead": s.runahead,
+                # Fewer than the most while other processes keep CPUs busy.
+                "compute_threads": s.compute_threads,
+                "compute_threads_max": s.compute_threads_max,
                 "warm_up_left": s.warm_left,  # experts still to read at start
                 "memory_mib": {
                     "rss": s.rss_bytes / 2**20,

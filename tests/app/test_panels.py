@@ -223,6 +223,13 @@ def test_overlap_panel_shows_lanes_and_both_busy(qtbot: QtBot) -> None:
     assert panel.runahead_label.text() == "runahead on"
     x_range = panel.plot.getPlotItem().viewRange()[0]
     np.testing.assert_allclose(x_range, (-2.0, 0.0))
+    assert panel.threads_label.text() == ""  # the engine computes with all its threads
+    for now, most, shown in ((1, 2, "threads 1 of 2"), (2, 2, "")):
+        loaded = {"compute_threads": now, "compute_threads_max": most}
+        panel.update_snapshot(MetricsSnapshot(**{**snap.__dict__, **loaded}))
+        assert panel.threads_label.text() == shown
+        if shown:
+            render(qtbot, panel, "overlap_fewer_threads")
 
 
 def test_overlap_panel_handles_a_thousand_intervals(qtbot: QtBot) -> None:

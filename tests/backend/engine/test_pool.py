@@ -1,0 +1,132 @@
+"""The compute team sized to the CPUs other processes leave (``backend.engine.pool``): the
+decisions, that the machine's counters see another process's load, and an engine that
+computes with fewer threads while others keep CPUs busy, with unchanged results."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import pool as pool_module
+from backend.engine.jobs import JobRunner
+from backend.engine.loop import Engine
+from backend.engine.pool import EVERY_S, WINDOW_S, ComputePool, cpu_use, machine_cpus
+from tests.helpers.engine_runs import assert_same_results, run_clean, run_staggered
+
+
+def feed(pool: ComputePool, others: list[float], t: float = 0.0) -> list[int]:
+    """Samples ``EVERY_S`` apart in which other processes kept ``others[i]`` CPUs busy
+    (this process one CPU throughout); the team size after each."""
+    busy = own = 0.0
+    pool.update(t, busy, own)
+    sizes = []
+    for load in others:
+        t += EVERY_S
+        own += EVERY_S
+        busy += EVERY_S * (1.0 + load)
+        sizes.append(pool.update(t, busy, own))
+    return sizes
+
+
+def test_gives_up_a_thread_per_busy_cpu_and_takes_it_back_once_they_idle() -> None:
+    pool = ComputePool(most=2, cpus=2)
+    assert pool.threads == 2
+    assert feed(pool, [0.0, 0.1, 0.3]) == [2, 2, 2]  # a little work elsewhere: no change
+    pool = ComputePool(most=2, cpus=2)
+    # One busy process: one thread. Its use falling within the band between the two
+    # margins keeps one; well below it, the thread comes back.
+    sizes = feed(pool, [1.0, 1.0, 1.0, 1.0, 0.3, 0.3, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0])
+    assert sizes[3] == 1 and sizes[4:8] == [1, 1, 1, 1] and sizes[-1] == 2
+    assert pool.changes == 2
+    assert pool.others == pytest.approx(0.0)
+
+
+def test_never_fewer_than_one_nor_more_than_it_started_with() -> None:
+    pool = ComputePool(most=4, cpus=4)
+    assert feed(pool, [8.0] * 6)[-1] == 1  # oversubscribed: still one
+    pool = ComputePool(most=4, cpus=4)
+    assert feed(pool, [2.0] * 6)[-1] == 2  # two busy CPUs of four: two threads
+    # One thread a core on an SMT machine: a load on one CPU leaves it all of them.
+    pool = ComputePool(most=8, cpus=16)
+    assert feed(pool, [1.0] * 6)[-1] == 8
+
+
+def test_decides_over_a_recent_window_only() -> None:
+    pool = ComputePool(most=2, cpus=2)
+    assert pool.due(0.0)
+    pool.update(0.0, 0.0, 0.0)
+    assert not pool.due(EVERY_S / 2) and pool.due(EVERY_S)
+    # Samples under EVERY_S apart decide nothing, even under a heavy load.
+    assert pool.update(EVERY_S / 2, 2.0 * EVERY_S / 2, 0.0) == 2
+    assert feed(pool, [1.0] * 6, t=10.0)[-1] == 1
+    # After an idle spell (no samples for a minute) the old load is not read: the first
+    # sample after it decides nothing, the next reads only the time since.
+    t = 100.0
+    assert pool.update(t, 0.0, 0.0) == 1
+    assert pool.update(t + EVERY_S, 0.1 * EVERY_S, 0.1 * EVERY_S) == 2
+    assert len(pool._samples) <= WINDOW_S / EVERY_S + 2
+
+
+def test_the_counters_see_another_process_keep_a_cpu_busy() -> None:
+    """``cpu_use`` read the machine: a busy loop beside this (sleeping) process counts as
+    others' use of about one CPU."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started
+        t0, (busy0, own0) = time.perf_counter(), cpu_use()
+        time.sleep(1.0)
+        t1, (busy1, own1) = time.perf_counter(), cpu_use()
+    finally:
+        busy.kill()
+        busy.wait()
+    others = ((busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+    assert 0.7 <= others <= machine_cpus()
+    assert own1 - own0 < 0.2  # this process slept
+
+
+def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
+    models, monkeypatch
+) -> None:
+    """The machine's counters scripted (at the boundary between the engine and the OS) to
+    say that other processes keep every CPU but one busy: the engine's jobs run with one
+    thread, its snapshots say so, and tokens and logits are those of an engine with all
+    its threads. A caller that stepped the engine gets its own team size back."""
+    model = models["mixtral-q8-gguf"]
+    config = EngineConfig(policy="bevy", cache="0.5", storage="host")
+    torch.set_num_threads(2)
+    try:
+        quiet = run_clean(model, config)
+        start = time.perf_counter()
+
+        def loaded() -> tuple[float, float]:  # this process on one CPU, the rest busy
+            wall = time.perf_counter() - start
+            return wall * machine_cpus(), wall
+
+        monkeypatch.setattr("backend.engine.loop.cpu_use", loaded)
+        monkeypatch.setattr(pool_module, "EVERY_S", 0.0)  # a decision at every step
+        seen: list[int] = []
+        real = JobRunner.run
+
+        def run(self, *args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(JobRunner, "run", run)
+        eng = Engine(model, config)
+        try:
+            busy = run_staggered(eng), eng.logits_log
+            snap = eng.snapshot()
+            assert (snap.compute_threads, snap.compute_threads_max) == (1, 2)
+            assert eng.pool.changes == 1
+        finally:
+            eng.close()
+        assert seen[0] == 2 and seen[-1] == 1
+        assert torch.get_num_threads() == 2
+        assert_same_results(busy, quiet)
+    finally:
+        torch.set_num_threads(2)
