@@ -2,8 +2,8 @@
 
 The kernels split each product over an OpenMP team that meets at a barrier several times a
 layer. When another process keeps a core busy, the OS shares that core between it and one
-member of the team, and every barrier waits for the member set aside: on the 2-core VMs
-one busy loop beside the engine cut decoding to a fifth, where a team of one thread on the
+member of the team, and every barrier waits for the member set aside: on a 2-core VM one
+busy loop beside the engine cut decoding to a fifth, where a team of one thread on the
 free core decoded at nearly the quiet machine's speed (docs/performance.md).
 
 ``ComputePool`` reads how much CPU the rest of the machine used over the last seconds (the
@@ -12,8 +12,8 @@ spinning team count as its own) and sizes the team to the CPUs left: one thread 
 each CPU's worth that others keep busy, never more than the engine started with nor fewer
 than one. A thread is given up once others use ``SHRINK_AT`` of a CPU beyond a whole
 number, and taken back only once they use less than ``GROW_BELOW`` of it: apart, so that the
-size does not flip on noise. On SMT machines the engine starts with one thread a core, so
-a load on a sibling leaves it all its threads. Pure Python: tested without an engine.
+size does not flip on noise. An engine started with fewer threads than the machine has
+CPUs keeps them all while enough CPUs are free. Pure Python: tested without an engine.
 """
 
 from __future__ import annotations

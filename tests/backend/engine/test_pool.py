@@ -51,7 +51,8 @@ def test_never_fewer_than_one_nor_more_than_it_started_with() -> None:
     assert feed(pool, [8.0] * 6)[-1] == 1  # oversubscribed: still one
     pool = ComputePool(most=4, cpus=4)
     assert feed(pool, [2.0] * 6)[-1] == 2  # two busy CPUs of four: two threads
-    # One thread a core on an SMT machine: a load on one CPU leaves it all of them.
+    # Fewer threads than CPUs (one a core on an SMT machine): a load on one CPU leaves
+    # it all of them.
     pool = ComputePool(most=8, cpus=16)
     assert feed(pool, [1.0] * 6)[-1] == 8
 
