@@ -74,7 +74,7 @@ def test_decides_over_a_recent_window_only() -> None:
 
 
 def test_the_counters_see_another_process_keep_a_cpu_busy() -> None:
-    """``cpu_use`` read the machine: a busy loop beside this (sleeping) process counts as
+    """``cpu_use`` reads the machine: a busy loop beside this (sleeping) process counts as
     others' use of about one CPU."""
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -87,7 +87,6 @@ def test_the_counters_see_another_process_keep_a_cpu_busy() -> None:
         busy.wait()
     others = ((busy1 - busy0) - (own1 - own0)) / (t1 - t0)
     assert 0.7 <= others <= machine_cpus()
-    assert own1 - own0 < 0.2  # this process slept
 
 
 def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
