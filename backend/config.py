@@ -151,43 +151,15 @@ def system_memory() -> tuple[int, int]:
     psutil does not see."""
     import psutil
 
+    from backend.cgroup import memory_limit
+
     vm = psutil.virtual_memory()
     total, available = vm.total, vm.available
-    limit = _cgroup_limit()
+    limit = memory_limit()
     if limit is not None:
         limit_bytes, used = limit
         total, available = min(total, limit_bytes), min(available, max(0, limit_bytes - used))
     return total, available
-
-
-def _cgroup_limit(
-    proc: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup"
-) -> tuple[int, int] | None:
-    """(limit, usage) of this process's memory cgroup (v2, else v1); None without one."""
-    from pathlib import Path
-
-    try:
-        lines = Path(proc).read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            root, names = Path(mount), ("memory.max", "memory.current")
-        elif "memory" in controllers.split(","):
-            root = Path(mount) / "memory"
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
-        else:
-            continue
-        # In a container the group is often mounted as the root itself.
-        for base in (root / path.lstrip("/"), root):
-            try:
-                limit, used = ((base / n).read_text().strip() for n in names)
-            except OSError:
-                continue
-            if limit.isdigit() and int(limit) < 1 << 60:  # "max", or v1's huge "no limit"
-                return int(limit), int(used)
-    return None
 
 
 def _gib(n: int) -> str:

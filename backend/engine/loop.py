@@ -36,7 +36,7 @@ from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.jobs import JobRunner
 from backend.engine.memory import release_pages, rss_bytes, trim_heap
-from backend.engine.pool import ComputePool, cpu_use, machine_cpus
+from backend.engine.pool import ComputePool, cpu_domain
 from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, progress, prompt_part, riders, split
@@ -299,11 +299,14 @@ class Engine:
         model.transformer.set_kv_type(config.kv_type)
         self.kv_bytes_per_token = c.kv_values_per_token * model.transformer.kv_dtype.itemsize
         self.balancer = Balancer() if self.policy.balance else None
-        # The compute team sized to the CPUs other processes leave it; on an accelerator
-        # the CPU's threads carry little of the work.
+        # The compute team sized to the CPUs other processes (and a cgroup's quota) leave
+        # it; on an accelerator the CPU's threads carry little of the work.
+        self._cpus = cpu_domain() if device.type == "cpu" and self._compute_threads > 1 else None
         self.pool = (
-            ComputePool(self._compute_threads, machine_cpus())
-            if device.type == "cpu" and self._compute_threads > 1
+            ComputePool(
+                min(self._compute_threads, self._cpus.cpus), self._cpus.cpus, self._cpus.withheld
+            )
+            if self._cpus is not None
             else None
         )
         self._resized_on: int | None = None  # the thread whose team the pool resized
@@ -437,6 +440,12 @@ class Engine:
         """One iteration: schedule -> run -> postprocess. Returns whether a job ran (a
         split run, ``scheduler.split``, does not count: no request moved on)."""
         self.jobs.stop.value = 0  # what arrives from here on is drained after the next job
+        if self.pool is not None and self.pool.due(now := time.perf_counter()):
+            # Before the step's jobs: a quota's size holds from the first one on.
+            threads = self.pool.update(now, *self._cpus.use())
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+                self._resized_on = threading.get_ident()
         self._drain(block=False)
         if self._warm and not self._warming and not self._warm_held:
             self._warm_more()  # the first step (or idle one); after it, each read's end
@@ -961,11 +970,6 @@ class Engine:
             self.balancer.update(
                 now, w["link_busy_frac"], w["compute_busy_frac"], len(self.running)
             )
-        if self.pool is not None and self.pool.due(now):
-            threads = self.pool.update(now, *cpu_use())
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
-                self._resized_on = threading.get_ident()
         if now - self._last_metrics >= self.config.metrics_interval_s:
             self._last_metrics = now
             self._emit(self.snapshot(now))
@@ -1075,7 +1079,7 @@ class Engine:
             tokens_total=self.telemetry.n_tokens,
             expert_backend=self.expert_backend,
             compute_threads=self.compute_threads,
-            compute_threads_max=self._compute_threads,
+            compute_threads_max=self.pool.most if self.pool is not None else self._compute_threads,
             warm_left=0
             if self._warm_held
             else len(self._warming) + sum(not cache.is_present(k) for k in self._warm),

@@ -13,17 +13,25 @@ each CPU's worth that others keep busy, never more than the engine started with 
 than one. A thread is given up once others use ``SHRINK_AT`` of a CPU beyond a whole
 number, and taken back only once they use less than ``GROW_BELOW`` of it: apart, so that the
 size does not flip on noise. An engine started with fewer threads than the machine has
-CPUs keeps them all while enough CPUs are free. Pure Python: tested without an engine.
+CPUs keeps them all while enough CPUs are free. Inside a cgroup with a CPU quota (a
+container's ``--cpus``) the machine's counters see the host: there the CPUs are the
+quota's, rounded up, others' use is the group's counter less this process's
+(``CpuDomain``), and the part of a CPU the quota withholds counts as others' use. The
+decisions are pure Python: tested without an engine.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
+
+from backend import cgroup
 
 SHRINK_AT = 0.4  # others' use of a CPU, beyond whole ones, that costs the team a thread
 GROW_BELOW = 0.15  # ... and below which a thread comes back
@@ -31,19 +39,53 @@ WINDOW_S = 2.0  # the machine's history each decision reads
 EVERY_S = 0.5  # how often it decides
 
 
-def cpu_use() -> tuple[float, float]:
-    """(Seconds every CPU of the machine has been busy, seconds this process has run),
-    both since some fixed point: their differences over a window give others' use."""
-    t = psutil.cpu_times()
-    # Guest time is already counted in user time on Linux; waiting for I/O is idle.
-    idle = t.idle + getattr(t, "iowait", 0.0)
-    total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-    return total - idle, time.process_time()
+def _affinity_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS has no affinity masks
+        return psutil.cpu_count() or 1
 
 
-def machine_cpus() -> int:
-    """The machine's logical CPUs, the unit of ``cpu_use``'s busy time."""
-    return psutil.cpu_count() or 1
+def usable_cpus() -> int:
+    """The CPUs this process may compute on: the machine's, within its affinity mask
+    (``taskset``, a container's ``--cpuset-cpus``) and its cgroup's CPU quota (a container's
+    ``--cpus``, rounded up), which ``os.cpu_count`` does not see. A team larger than the
+    quota is throttled as a whole each period and waits at its barriers for members the
+    quota stopped."""
+    cpus, quota = _affinity_cpus(), cgroup.cpu_quota()
+    return max(1, min(cpus, math.ceil(quota))) if quota is not None else cpus
+
+
+@dataclass(frozen=True)
+class CpuDomain:
+    """The CPUs the engine's team competes for: the machine's, or, where a cgroup's quota
+    bounds this process, the quota, shared with the group's other processes (the rest of a
+    container), read from the group's own counter since the machine's sees the host."""
+
+    cpus: int
+    usage: Path | None = None  # the cgroup's CPU time (``cgroup.cpu_usage_file``)
+    withheld: float = 0.0  # the part of the last CPU a quota of 1.5 CPUs, say, withholds
+
+    def use(self) -> tuple[float, float]:
+        """(Seconds the domain's CPUs have been busy, seconds this process has run), both
+        since some fixed point: their differences over a window give others' use."""
+        if self.usage is not None:
+            return cgroup.cpu_usage_s(self.usage), time.process_time()
+        t = psutil.cpu_times()
+        # Guest time is already counted in user time on Linux; waiting for I/O is idle.
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        return total - idle, time.process_time()
+
+
+def cpu_domain() -> CpuDomain:
+    """This process's ``CpuDomain``: its cgroup's where a quota binds (is less than the
+    CPUs it may run on), else the machine's, where others outside any group are seen."""
+    quota, usage = cgroup.cpu_quota(), cgroup.cpu_usage_file()
+    if quota is not None and quota < _affinity_cpus() and usage is not None:
+        cpus = usable_cpus()
+        return CpuDomain(cpus, usage, max(0.0, cpus - quota))
+    return CpuDomain(psutil.cpu_count() or 1)
 
 
 def _threads_for(others: float, cpus: int, most: int, margin: float) -> int:
@@ -52,10 +94,14 @@ def _threads_for(others: float, cpus: int, most: int, margin: float) -> int:
 
 @dataclass
 class ComputePool:
-    """The compute team's size for a machine of ``cpus`` CPUs, at most ``most`` threads."""
+    """The compute team's size for a machine of ``cpus`` CPUs, at most ``most`` threads.
+    ``withheld``: the share of a CPU a quota keeps back, counted as others' use throughout
+    (under a quota of 1.5 CPUs a team of two computed 21-25 tok/s where one computed 32:
+    docs/performance.md)."""
 
     most: int
     cpus: int
+    withheld: float = 0.0
     threads: int = 0
     changes: int = 0
     others: float = 0.0  # CPUs the other processes kept busy over the last window
@@ -63,13 +109,13 @@ class ComputePool:
     _last: float = float("-inf")
 
     def __post_init__(self) -> None:
-        self.threads = self.threads or self.most
+        self.threads = self.threads or _threads_for(self.withheld, self.cpus, self.most, SHRINK_AT)
 
     def due(self, now: float) -> bool:
         return now - self._last >= EVERY_S
 
     def update(self, now: float, busy_s: float, own_s: float) -> int:
-        """Take a sample of ``cpu_use`` at ``now``; returns the threads to compute with.
+        """Take a sample of ``CpuDomain.use`` at ``now``; returns the threads to compute with.
         Decides once the samples span ``EVERY_S``, over at most ``WINDOW_S`` of them (a
         window reaching into an idle spell would read an old load)."""
         self._last = now
@@ -81,8 +127,9 @@ class ComputePool:
         if now <= t0 or now - t0 < EVERY_S:
             return self.threads
         self.others = max(0.0, (busy_s - busy0) - (own_s - own0)) / (now - t0)
-        fewer = _threads_for(self.others, self.cpus, self.most, SHRINK_AT)
-        more = _threads_for(self.others, self.cpus, self.most, GROW_BELOW)
+        others = self.others + self.withheld
+        fewer = _threads_for(others, self.cpus, self.most, SHRINK_AT)
+        more = _threads_for(others, self.cpus, self.most, GROW_BELOW)
         want = fewer if fewer < self.threads else max(more, self.threads)
         if want != self.threads:
             self.threads = want

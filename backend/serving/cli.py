@@ -587,7 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
 
-        torch.set_num_threads(max(1, min(os.cpu_count() or 1, 16)))
+        from backend.engine.pool import usable_cpus
+
+        torch.set_num_threads(min(usable_cpus(), 16))
         return handlers[args.command](args)
     except BevyError as exc:
         print(f"bevy: error: {exc}", file=sys.stderr)

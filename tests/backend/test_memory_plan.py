@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.config import EngineConfig, _cgroup_limit, parse_size, plan_memory
+from backend.config import EngineConfig, parse_size, plan_memory
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -95,26 +95,3 @@ def test_a_memory_budget_too_small_says_what_it_needs() -> None:
         plan(EngineConfig(memory="400MiB"))
     assert "budget of 400 MiB" in str(err.value) and "8 experts" in str(err.value)
     assert "300 MiB already held" in str(err.value)
-
-
-def test_a_memory_cgroup_limit_is_what_a_container_has(tmp_path) -> None:
-    """psutil sees the host's RAM; "auto" must see a container's limit (v2 or v1, the
-    group at its path or mounted as the root)."""
-    proc = tmp_path / "cgroup"
-    v2 = tmp_path / "v2"
-    (v2 / "app").mkdir(parents=True)
-    proc.write_text("0::/app\n")
-    (v2 / "app" / "memory.max").write_text("4294967296\n")
-    (v2 / "app" / "memory.current").write_text("1073741824\n")
-    assert _cgroup_limit(str(proc), str(v2)) == (4 * GiB, GiB)
-    (v2 / "app" / "memory.max").write_text("max\n")
-    assert _cgroup_limit(str(proc), str(v2)) is None
-    v1 = tmp_path / "v1"
-    (v1 / "memory").mkdir(parents=True)  # the group mounted as the root
-    proc.write_text("12:cpu,cpuacct:/x\n11:memory:/docker/abc\n")
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 * GiB))
-    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(GiB // 2))
-    assert _cgroup_limit(str(proc), str(v1)) == (2 * GiB, GiB // 2)
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))  # no limit
-    assert _cgroup_limit(str(proc), str(v1)) is None
-    assert _cgroup_limit(str(tmp_path / "absent"), str(v1)) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from backend.config import EngineConfig
 from backend.engine import pool as pool_module
 from backend.engine.jobs import JobRunner
 from backend.engine.loop import Engine
-from backend.engine.pool import EVERY_S, WINDOW_S, ComputePool, cpu_use, machine_cpus
+from backend.engine.pool import EVERY_S, WINDOW_S, ComputePool, CpuDomain, cpu_domain
 from tests.helpers.engine_runs import assert_same_results, run_clean, run_staggered
 
 
@@ -57,6 +58,16 @@ def test_never_fewer_than_one_nor_more_than_it_started_with() -> None:
     assert feed(pool, [1.0] * 6)[-1] == 8
 
 
+def test_a_quotas_withheld_share_of_a_cpu_counts_as_others_use_from_the_start() -> None:
+    """A quota of 1.5 CPUs: two CPUs' worth of threads would be throttled, so one from
+    the first job on; of 1.8, two, until others' use adds to the 0.2 held back."""
+    pool = ComputePool(most=2, cpus=2, withheld=0.5)
+    assert pool.threads == 1 and feed(pool, [0.0] * 6) == [1] * 6 and pool.changes == 0
+    pool = ComputePool(most=2, cpus=2, withheld=0.2)
+    assert pool.threads == 2 and feed(pool, [0.0] * 6)[-1] == 2
+    assert feed(pool, [0.3] * 6, t=10.0)[-1] == 1
+
+
 def test_decides_over_a_recent_window_only() -> None:
     pool = ComputePool(most=2, cpus=2)
     assert pool.due(0.0)
@@ -74,19 +85,21 @@ def test_decides_over_a_recent_window_only() -> None:
 
 
 def test_the_counters_see_another_process_keep_a_cpu_busy() -> None:
-    """``cpu_use`` reads the machine: a busy loop beside this (sleeping) process counts as
-    others' use of about one CPU."""
+    """``CpuDomain.use`` reads the machine (or this process's CPU cgroup, which a child
+    shares): a busy loop beside this (sleeping) process counts as others' use of about one
+    CPU."""
+    domain = cpu_domain()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # started
-        t0, (busy0, own0) = time.perf_counter(), cpu_use()
+        t0, (busy0, own0) = time.perf_counter(), domain.use()
         time.sleep(1.0)
-        t1, (busy1, own1) = time.perf_counter(), cpu_use()
+        t1, (busy1, own1) = time.perf_counter(), domain.use()
     finally:
         busy.kill()
         busy.wait()
     others = ((busy1 - busy0) - (own1 - own0)) / (t1 - t0)
-    assert 0.7 <= others <= machine_cpus()
+    assert 0.7 <= others <= domain.cpus
 
 
 def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
@@ -103,11 +116,12 @@ def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
         quiet = run_clean(model, config)
         start = time.perf_counter()
 
-        def loaded() -> tuple[float, float]:  # this process on one CPU, the rest busy
-            wall = time.perf_counter() - start
-            return wall * machine_cpus(), wall
+        class Loaded(CpuDomain):  # two CPUs: this process on one, another on the other
+            def use(self) -> tuple[float, float]:
+                wall = time.perf_counter() - start
+                return wall * self.cpus, wall
 
-        monkeypatch.setattr("backend.engine.loop.cpu_use", loaded)
+        monkeypatch.setattr("backend.engine.loop.cpu_domain", lambda: Loaded(2))
         monkeypatch.setattr(pool_module, "EVERY_S", 0.0)  # a decision at every step
         seen: list[int] = []
         real = JobRunner.run
@@ -125,8 +139,50 @@ def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
             assert eng.pool.changes == 1
         finally:
             eng.close()
-        assert seen[0] == 2 and seen[-1] == 1
+        assert seen[-1] == 1  # from 2 (one change, above)
         assert torch.get_num_threads() == 2
         assert_same_results(busy, quiet)
+    finally:
+        torch.set_num_threads(2)
+
+
+class Quiet(CpuDomain):
+    """Nothing but this process uses the domain's CPUs."""
+
+    def use(self) -> tuple[float, float]:
+        own = time.process_time()
+        return own, own
+
+
+def test_an_engine_in_a_one_cpu_quota_computes_with_one_thread_from_the_start(
+    models, monkeypatch
+) -> None:
+    """A container's quota of one CPU (the domain scripted at the boundary with the OS;
+    the real cgroup is read in tests/backend/test_cgroup.py): the engine started with two
+    threads computes every job with one, its snapshots say 1 of 1 (nothing reduced), and
+    a caller that stepped it gets its two back."""
+    model = models["mixtral-q8-gguf"]
+    config = EngineConfig(policy="bevy", cache="0.5", storage="host")
+    monkeypatch.setattr("backend.engine.loop.cpu_domain", lambda: Quiet(1, Path("/quota")))
+    seen: list[int] = []
+    real = JobRunner.run
+
+    def run(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JobRunner, "run", run)
+    torch.set_num_threads(2)
+    try:
+        eng = Engine(model, config)
+        try:
+            run_staggered(eng)
+            snap = eng.snapshot()
+            assert (snap.compute_threads, snap.compute_threads_max) == (1, 1)
+            assert eng.pool.changes == 0
+        finally:
+            eng.close()
+        assert set(seen) == {1}
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(2)
