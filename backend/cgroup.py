@@ -83,13 +83,32 @@ def cpu_usage_file(proc: str = PROC, mount: str = MOUNT) -> Path | None:
     return None
 
 
+def cpu_stat_file(proc: str = PROC, mount: str = MOUNT) -> Path | None:
+    """The file that counts the group's quota periods and those in which the quota ran out
+    (``cpu.stat`` of the cpu controller, v2 or v1), for ``cpu_throttling``."""
+    for base, _ in group_dirs("cpu", proc, mount):
+        if "nr_throttled" in _stat(base / "cpu.stat"):
+            return base / "cpu.stat"
+    return None
+
+
+def _stat(f: Path) -> dict[str, int]:
+    try:
+        lines = f.read_text().splitlines()
+    except OSError:
+        return {}
+    return {k: int(v) for k, _, v in (line.partition(" ") for line in lines) if v.isdigit()}
+
+
 def cpu_usage_s(f: Path) -> float:
     """Seconds of CPU the group's processes have used, from ``cpu_usage_file``'s file."""
-    text = f.read_text()
     if f.name == "cpu.stat":
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "usage_usec":
-                return int(value) / 1e6
-        raise OSError(f"{f}: no usage_usec")
-    return int(text) / 1e9
+        return _stat(f)["usage_usec"] / 1e6
+    return int(f.read_text()) / 1e9
+
+
+def cpu_throttling(f: Path) -> tuple[int, int]:
+    """(Quota periods so far, those in which the group was throttled) from
+    ``cpu_stat_file``'s file."""
+    stat = _stat(f)
+    return stat["nr_periods"], stat["nr_throttled"]

@@ -442,7 +442,7 @@ class Engine:
         self.jobs.stop.value = 0  # what arrives from here on is drained after the next job
         if self.pool is not None and self.pool.due(now := time.perf_counter()):
             # Before the step's jobs: a quota's size holds from the first one on.
-            threads = self.pool.update(now, *self._cpus.use())
+            threads = self.pool.update(now, *self._cpus.use(), *self._cpus.throttling())
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
                 self._resized_on = threading.get_ident()

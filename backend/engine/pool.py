@@ -16,8 +16,8 @@ size does not flip on noise. An engine started with fewer threads than the machi
 CPUs keeps them all while enough CPUs are free. Inside a cgroup with a CPU quota (a
 container's ``--cpus``) the machine's counters see the host: there the CPUs are the
 quota's, rounded up, others' use is the group's counter less this process's
-(``CpuDomain``), and the part of a CPU the quota withholds counts as others' use. The
-decisions are pure Python: tested without an engine.
+(``CpuDomain``), and the part of a CPU the quota withholds counts as others' use while
+the team runs the quota out. The decisions are pure Python: tested without an engine.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ SHRINK_AT = 0.4  # others' use of a CPU, beyond whole ones, that costs the team 
 GROW_BELOW = 0.15  # ... and below which a thread comes back
 WINDOW_S = 2.0  # the machine's history each decision reads
 EVERY_S = 0.5  # how often it decides
+THROTTLED_AT = 0.2  # share of a quota's periods that ran out from which its withheld part counts
 
 
 def _affinity_cpus() -> int:
@@ -65,6 +66,7 @@ class CpuDomain:
     cpus: int
     usage: Path | None = None  # the cgroup's CPU time (``cgroup.cpu_usage_file``)
     withheld: float = 0.0  # the part of the last CPU a quota of 1.5 CPUs, say, withholds
+    stat: Path | None = None  # the quota's periods and throttled ones (``cgroup.cpu_stat_file``)
 
     def use(self) -> tuple[float, float]:
         """(Seconds the domain's CPUs have been busy, seconds this process has run), both
@@ -77,6 +79,10 @@ class CpuDomain:
         total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
         return total - idle, time.process_time()
 
+    def throttling(self) -> tuple[int, int]:
+        """(Quota periods, periods in which the quota ran out) so far; zeros without one."""
+        return cgroup.cpu_throttling(self.stat) if self.stat is not None else (0, 0)
+
 
 def cpu_domain() -> CpuDomain:
     """This process's ``CpuDomain``: its cgroup's where a quota binds (is less than the
@@ -84,7 +90,7 @@ def cpu_domain() -> CpuDomain:
     quota, usage = cgroup.cpu_quota(), cgroup.cpu_usage_file()
     if quota is not None and quota < _affinity_cpus() and usage is not None:
         cpus = usable_cpus()
-        return CpuDomain(cpus, usage, max(0.0, cpus - quota))
+        return CpuDomain(cpus, usage, max(0.0, cpus - quota), cgroup.cpu_stat_file())
     return CpuDomain(psutil.cpu_count() or 1)
 
 
@@ -95,9 +101,15 @@ def _threads_for(others: float, cpus: int, most: int, margin: float) -> int:
 @dataclass
 class ComputePool:
     """The compute team's size for a machine of ``cpus`` CPUs, at most ``most`` threads.
-    ``withheld``: the share of a CPU a quota keeps back, counted as others' use throughout
-    (under a quota of 1.5 CPUs a team of two computed 21-25 tok/s where one computed 32:
-    docs/performance.md)."""
+
+    ``withheld``: the share of a CPU a quota keeps back (a quota of 1.5 CPUs: 0.5). A team
+    that computes throughout runs the quota out each period and is stopped as a whole:
+    under 1.5 CPUs bevy decoded 21-25 tok/s on two threads and 32 on one; a team whose
+    compute comes in bursts between fetches fits the quota with both (sync: 23-26 tok/s
+    on two, 14-19 on one; docs/performance.md). So the withheld share counts as others'
+    use once the quota ran out in ``THROTTLED_AT`` of the window's periods, and until
+    the group's use leaves a whole CPU of the quota free (``GROW_BELOW`` short of it).
+    """
 
     most: int
     cpus: int
@@ -105,29 +117,42 @@ class ComputePool:
     threads: int = 0
     changes: int = 0
     others: float = 0.0  # CPUs the other processes kept busy over the last window
+    throttled: bool = False  # the quota ran out: its withheld share counts as others' use
     _samples: deque = field(default_factory=deque)
     _last: float = float("-inf")
 
     def __post_init__(self) -> None:
-        self.threads = self.threads or _threads_for(self.withheld, self.cpus, self.most, SHRINK_AT)
+        self.threads = self.threads or min(self.most, self.cpus)
 
     def due(self, now: float) -> bool:
         return now - self._last >= EVERY_S
 
-    def update(self, now: float, busy_s: float, own_s: float) -> int:
-        """Take a sample of ``CpuDomain.use`` at ``now``; returns the threads to compute with.
-        Decides once the samples span ``EVERY_S``, over at most ``WINDOW_S`` of them (a
-        window reaching into an idle spell would read an old load)."""
+    def update(
+        self, now: float, busy_s: float, own_s: float, periods: int = 0, throttled: int = 0
+    ) -> int:
+        """Take a sample of ``CpuDomain.use`` (and ``throttling``) at ``now``; returns the
+        threads to compute with. Decides once the samples span ``EVERY_S``, over at most
+        ``WINDOW_S`` of them (a window reaching into an idle spell would read an old
+        load)."""
         self._last = now
         samples = self._samples
-        samples.append((now, busy_s, own_s))
+        samples.append((now, busy_s, own_s, periods, throttled))
         while now - samples[0][0] > WINDOW_S + EVERY_S / 2:
             samples.popleft()
-        t0, busy0, own0 = samples[0]
+        t0, busy0, own0, periods0, throttled0 = samples[0]
         if now <= t0 or now - t0 < EVERY_S:
             return self.threads
-        self.others = max(0.0, (busy_s - busy0) - (own_s - own0)) / (now - t0)
-        others = self.others + self.withheld
+        span = now - t0
+        self.others = max(0.0, (busy_s - busy0) - (own_s - own0)) / span
+        if self.withheld:
+            if (
+                periods > periods0
+                and (throttled - throttled0) / (periods - periods0) >= THROTTLED_AT
+            ):
+                self.throttled = True
+            elif (busy_s - busy0) / span <= self.cpus - self.withheld - 1.0 + GROW_BELOW:
+                self.throttled = False
+        others = self.others + (self.withheld if self.throttled else 0.0)
         fewer = _threads_for(others, self.cpus, self.most, SHRINK_AT)
         more = _threads_for(others, self.cpus, self.most, GROW_BELOW)
         want = fewer if fewer < self.threads else max(more, self.threads)

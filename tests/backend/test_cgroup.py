@@ -56,6 +56,12 @@ def test_a_cpu_quota_and_the_groups_cpu_time_v2(tmp_path) -> None:
     (group / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 5\n")
     usage = cgroup.cpu_usage_file(*args)
     assert usage == group / "cpu.stat" and cgroup.cpu_usage_s(usage) == 2.5
+    assert cgroup.cpu_stat_file(*args) is None  # no quota's counters in it
+    (group / "cpu.stat").write_text(
+        "usage_usec 2500000\nnr_periods 40\nnr_throttled 7\nthrottled_usec 9000\n"
+    )
+    stat = cgroup.cpu_stat_file(*args)
+    assert stat == group / "cpu.stat" and cgroup.cpu_throttling(stat) == (40, 7)
 
 
 def test_a_cpu_quota_and_the_groups_cpu_time_v1(tmp_path) -> None:
@@ -74,6 +80,9 @@ def test_a_cpu_quota_and_the_groups_cpu_time_v1(tmp_path) -> None:
     (v1 / "cpuacct" / "cpuacct.usage").write_text("3000000000\n")
     usage = cgroup.cpu_usage_file(*args)
     assert usage == v1 / "cpuacct" / "cpuacct.usage" and cgroup.cpu_usage_s(usage) == 3.0
+    (v1 / "cpu" / "cpu.stat").write_text("nr_periods 12\nnr_throttled 3\nthrottled_time 5\n")
+    stat = cgroup.cpu_stat_file(*args)
+    assert stat == v1 / "cpu" / "cpu.stat" and cgroup.cpu_throttling(stat) == (12, 3)
     assert cgroup.cpu_quota(str(tmp_path / "absent"), str(v1)) is None
 
 
@@ -117,7 +126,7 @@ def test_a_process_in_a_real_cgroup_sees_its_quota_and_its_fellows_cpu(tmp_path)
     """A process started inside a cgroup limited to half a CPU (as ``docker run --cpus
     0.5`` would) sizes its team to one CPU, half of it withheld, and a busy loop in the
     same group counts as another process's use of the half it gets, read from the group's
-    counter."""
+    counter, and runs the quota out."""
     groups = _cpu_group(50000)
     script = tmp_path / "probe.py"
     script.write_text(
@@ -126,13 +135,14 @@ def test_a_process_in_a_real_cgroup_sees_its_quota_and_its_fellows_cpu(tmp_path)
         "dom = cpu_domain()\n"
         "loop = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
         "time.sleep(0.3)\n"
-        "t0, (busy0, own0) = time.perf_counter(), dom.use()\n"
+        "t0, (busy0, own0), (p0, n0) = time.perf_counter(), dom.use(), dom.throttling()\n"
         "time.sleep(1.0)\n"
-        "t1, (busy1, own1) = time.perf_counter(), dom.use()\n"
+        "t1, (busy1, own1), (p1, n1) = time.perf_counter(), dom.use(), dom.throttling()\n"
         "loop.kill()\n"
         "loop.wait()\n"
         "others = ((busy1 - busy0) - (own1 - own0)) / (t1 - t0)\n"
-        "print(json.dumps([usable_cpus(), dom.cpus, dom.withheld, str(dom.usage), others]))\n"
+        "print(json.dumps([usable_cpus(), dom.cpus, dom.withheld, str(dom.usage), others,\n"
+        "                  (n1 - n0) / max(1, p1 - p0)]))\n"
     )
     enter = "".join(f"echo $$ > {g}/cgroup.procs; " for g in groups)
     try:
@@ -145,10 +155,12 @@ def test_a_process_in_a_real_cgroup_sees_its_quota_and_its_fellows_cpu(tmp_path)
             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
         )
         assert out.returncode == 0, out.stderr
-        usable, cpus, withheld, usage, others = json.loads(out.stdout)
+        usable, cpus, withheld, usage, others, throttled = json.loads(out.stdout)
     finally:
         _remove(groups)
     assert (usable, cpus, withheld) == (1, 1, 0.5)
     assert usage.startswith(str(groups[-1]))
-    # The quota lets the loop take at most half a CPU; the probe sleeps.
+    # The quota lets the loop take at most half a CPU, and runs out in most periods;
+    # the probe sleeps.
     assert 0.3 <= others <= 0.6
+    assert throttled >= 0.5

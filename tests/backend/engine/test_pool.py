@@ -58,14 +58,33 @@ def test_never_fewer_than_one_nor_more_than_it_started_with() -> None:
     assert feed(pool, [1.0] * 6)[-1] == 8
 
 
-def test_a_quotas_withheld_share_of_a_cpu_counts_as_others_use_from_the_start() -> None:
-    """A quota of 1.5 CPUs: two CPUs' worth of threads would be throttled, so one from
-    the first job on; of 1.8, two, until others' use adds to the 0.2 held back."""
+def test_a_quotas_withheld_share_counts_once_the_team_runs_the_quota_out() -> None:
+    """A quota of 1.5 CPUs: a team whose compute comes in bursts (the quota seldom runs
+    out) keeps two threads; one that runs it out in most periods computes with one, and
+    keeps one while it uses more than half a CPU; idle, it gets two back."""
     pool = ComputePool(most=2, cpus=2, withheld=0.5)
-    assert pool.threads == 1 and feed(pool, [0.0] * 6) == [1] * 6 and pool.changes == 0
-    pool = ComputePool(most=2, cpus=2, withheld=0.2)
-    assert pool.threads == 2 and feed(pool, [0.0] * 6)[-1] == 2
-    assert feed(pool, [0.3] * 6, t=10.0)[-1] == 1
+    t = busy = own = 0.0
+    periods = throttled = 0
+
+    def feed(steps: int, use: float, share: float) -> list[int]:
+        nonlocal t, busy, own, periods, throttled
+        sizes = []
+        for _ in range(steps):
+            t, busy, own = t + EVERY_S, busy + use * EVERY_S, own + use * EVERY_S
+            periods, throttled = periods + 5, throttled + round(5 * share)
+            sizes.append(pool.update(t, busy, own, periods, throttled))
+        return sizes
+
+    pool.update(t, busy, own, periods, throttled)
+    assert pool.threads == 2
+    assert feed(6, use=1.2, share=0.0) == [2] * 6  # bursts within the quota
+    assert feed(2, use=1.5, share=1.0)[-1] == 1 and pool.throttled
+    assert feed(6, use=1.1, share=0.0) == [1] * 6  # on one thread the quota holds
+    assert feed(6, use=0.05, share=0.0)[-1] == 2 and not pool.throttled
+    assert pool.changes == 2
+    # Without a quota, throttling counters are zeros and nothing is withheld.
+    plain = ComputePool(most=2, cpus=2)
+    assert plain.update(0.0, 0.0, 0.0) == 2 and plain.update(1.0, 1.0, 1.0) == 2
 
 
 def test_decides_over_a_recent_window_only() -> None:
