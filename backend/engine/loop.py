@@ -36,7 +36,7 @@ from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.jobs import JobRunner
 from backend.engine.memory import release_pages, rss_bytes, trim_heap
-from backend.engine.pool import ComputePool, cpu_domain
+from backend.engine.pool import ComputePool, cpu_domain, machine_cpus
 from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, progress, prompt_part, riders, split
@@ -304,7 +304,10 @@ class Engine:
         self._cpus = cpu_domain() if device.type == "cpu" and self._compute_threads > 1 else None
         self.pool = (
             ComputePool(
-                min(self._compute_threads, self._cpus.cpus), self._cpus.cpus, self._cpus.withheld
+                min(self._compute_threads, self._cpus.cpus),
+                self._cpus.cpus,
+                self._cpus.withheld,
+                machine_cpus(),
             )
             if self._cpus is not None
             else None
@@ -442,7 +445,7 @@ class Engine:
         self.jobs.stop.value = 0  # what arrives from here on is drained after the next job
         if self.pool is not None and self.pool.due(now := time.perf_counter()):
             # Before the step's jobs: a quota's size holds from the first one on.
-            threads = self.pool.update(now, *self._cpus.use(), *self._cpus.throttling())
+            threads = self.pool.update(now, *self._cpus.sample())
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
                 self._resized_on = threading.get_ident()

@@ -57,41 +57,52 @@ def usable_cpus() -> int:
     return max(1, min(cpus, math.ceil(quota))) if quota is not None else cpus
 
 
+def machine_busy_s() -> float:
+    """Seconds every CPU of the machine has been busy since some fixed point."""
+    t = psutil.cpu_times()
+    # Guest time is already counted in user time on Linux; waiting for I/O is idle.
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    return sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0) - idle
+
+
+def machine_cpus() -> int:
+    """The machine's logical CPUs, the unit of ``machine_busy_s``."""
+    return psutil.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class CpuDomain:
     """The CPUs the engine's team competes for: the machine's, or, where a cgroup's quota
     bounds this process, the quota, shared with the group's other processes (the rest of a
-    container), read from the group's own counter since the machine's sees the host."""
+    container), read from the group's own counter since the machine's sees the host. The
+    machine's CPUs are read as well: a host busy outside the group leaves fewer."""
 
     cpus: int
     usage: Path | None = None  # the cgroup's CPU time (``cgroup.cpu_usage_file``)
     withheld: float = 0.0  # the part of the last CPU a quota of 1.5 CPUs, say, withholds
     stat: Path | None = None  # the quota's periods and throttled ones (``cgroup.cpu_stat_file``)
 
-    def use(self) -> tuple[float, float]:
-        """(Seconds the domain's CPUs have been busy, seconds this process has run), both
-        since some fixed point: their differences over a window give others' use."""
-        if self.usage is not None:
-            return cgroup.cpu_usage_s(self.usage), time.process_time()
-        t = psutil.cpu_times()
-        # Guest time is already counted in user time on Linux; waiting for I/O is idle.
-        idle = t.idle + getattr(t, "iowait", 0.0)
-        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
-        return total - idle, time.process_time()
-
-    def throttling(self) -> tuple[int, int]:
-        """(Quota periods, periods in which the quota ran out) so far; zeros without one."""
-        return cgroup.cpu_throttling(self.stat) if self.stat is not None else (0, 0)
+    def sample(self) -> tuple[float, float, int, int, float]:
+        """For ``ComputePool.update``: (seconds the domain's CPUs have been busy, seconds
+        this process has run, quota periods, periods in which the quota ran out, seconds
+        the machine's CPUs have been busy), all since some fixed point: their differences
+        over a window give others' use. Without a quota: zero periods, and the machine's
+        busy time is the domain's."""
+        own, machine = time.process_time(), machine_busy_s()
+        if self.usage is None:
+            return machine, own, 0, 0, machine
+        periods, throttled = cgroup.cpu_throttling(self.stat) if self.stat else (0, 0)
+        return cgroup.cpu_usage_s(self.usage), own, periods, throttled, machine
 
 
 def cpu_domain() -> CpuDomain:
     """This process's ``CpuDomain``: its cgroup's where a quota binds (is less than the
-    CPUs it may run on), else the machine's, where others outside any group are seen."""
+    CPUs it may run on), else the machine's."""
     quota, usage = cgroup.cpu_quota(), cgroup.cpu_usage_file()
     if quota is not None and quota < _affinity_cpus() and usage is not None:
         cpus = usable_cpus()
         return CpuDomain(cpus, usage, max(0.0, cpus - quota), cgroup.cpu_stat_file())
-    return CpuDomain(psutil.cpu_count() or 1)
+    return CpuDomain(machine_cpus())
 
 
 def _threads_for(others: float, cpus: int, most: int, margin: float) -> int:
@@ -114,6 +125,7 @@ class ComputePool:
     most: int
     cpus: int
     withheld: float = 0.0
+    machine_cpus: int = 0  # the machine's CPUs, where its load is read beside the domain's
     threads: int = 0
     changes: int = 0
     others: float = 0.0  # CPUs the other processes kept busy over the last window
@@ -128,31 +140,38 @@ class ComputePool:
         return now - self._last >= EVERY_S
 
     def update(
-        self, now: float, busy_s: float, own_s: float, periods: int = 0, throttled: int = 0
+        self,
+        now: float,
+        busy_s: float,
+        own_s: float,
+        periods: int = 0,
+        throttled: int = 0,
+        machine_s: float | None = None,
     ) -> int:
-        """Take a sample of ``CpuDomain.use`` (and ``throttling``) at ``now``; returns the
-        threads to compute with. Decides once the samples span ``EVERY_S``, over at most
-        ``WINDOW_S`` of them (a window reaching into an idle spell would read an old
-        load)."""
+        """Take a ``CpuDomain.sample`` at ``now``; returns the threads to compute with.
+        Decides once the samples span ``EVERY_S``, over at most ``WINDOW_S`` of them (a
+        window reaching into an idle spell would read an old load)."""
         self._last = now
+        machine_s = busy_s if machine_s is None else machine_s
         samples = self._samples
-        samples.append((now, busy_s, own_s, periods, throttled))
+        samples.append((now, busy_s, own_s, periods, throttled, machine_s))
         while now - samples[0][0] > WINDOW_S + EVERY_S / 2:
             samples.popleft()
-        t0, busy0, own0, periods0, throttled0 = samples[0]
+        t0, busy0, own0, periods0, throttled0, machine0 = samples[0]
         if now <= t0 or now - t0 < EVERY_S:
             return self.threads
         span = now - t0
         self.others = max(0.0, (busy_s - busy0) - (own_s - own0)) / span
         if self.withheld:
-            if (
-                periods > periods0
-                and (throttled - throttled0) / (periods - periods0) >= THROTTLED_AT
-            ):
+            ran_out = (throttled - throttled0) / max(1, periods - periods0)
+            if ran_out >= THROTTLED_AT:
                 self.throttled = True
             elif (busy_s - busy0) / span <= self.cpus - self.withheld - 1.0 + GROW_BELOW:
                 self.throttled = False
         others = self.others + (self.withheld if self.throttled else 0.0)
+        if self.machine_cpus:  # the CPUs the rest of the machine leaves may be fewer
+            beyond = max(0.0, (machine_s - machine0) - (own_s - own0)) / span
+            others = max(others, beyond - (self.machine_cpus - self.cpus))
         fewer = _threads_for(others, self.cpus, self.most, SHRINK_AT)
         more = _threads_for(others, self.cpus, self.most, GROW_BELOW)
         want = fewer if fewer < self.threads else max(more, self.threads)

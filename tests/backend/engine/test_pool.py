@@ -87,6 +87,26 @@ def test_a_quotas_withheld_share_counts_once_the_team_runs_the_quota_out() -> No
     assert plain.update(0.0, 0.0, 0.0) == 2 and plain.update(1.0, 1.0, 1.0) == 2
 
 
+def test_a_quota_on_a_host_busy_outside_it_leaves_the_team_what_the_host_leaves() -> None:
+    """Inside a quota the group's counter sees no one else; the machine's does: a busy
+    loop outside the group on a 2-CPU machine with a quota of 1.5 CPUs (not run out: the
+    loop leaves too little) costs a thread, as it would without a quota. On an 8-CPU
+    machine with a 2-CPU quota, others busy on five CPUs leave enough; on seven, not."""
+
+    def run(pool: ComputePool, outside: float) -> int:
+        busy = own = machine = 0.0
+        pool.update(0.0, busy, own, 0, 0, machine)
+        for i in range(1, 7):
+            busy, own, machine = busy + 0.5, own + 0.5, machine + 0.5 * (1.0 + outside)
+            size = pool.update(i * EVERY_S, busy, own, 5 * i, 0, machine)
+        return size
+
+    assert run(ComputePool(most=2, cpus=2, withheld=0.5, machine_cpus=2), 1.0) == 1
+    assert run(ComputePool(most=2, cpus=2, withheld=0.5, machine_cpus=2), 0.0) == 2
+    assert run(ComputePool(most=2, cpus=2, machine_cpus=8), 5.0) == 2
+    assert run(ComputePool(most=2, cpus=2, machine_cpus=8), 7.0) == 1
+
+
 def test_decides_over_a_recent_window_only() -> None:
     pool = ComputePool(most=2, cpus=2)
     assert pool.due(0.0)
@@ -111,9 +131,9 @@ def test_the_counters_see_another_process_keep_a_cpu_busy() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # started
-        t0, (busy0, own0) = time.perf_counter(), domain.use()
+        t0, (busy0, own0, *_) = time.perf_counter(), domain.sample()
         time.sleep(1.0)
-        t1, (busy1, own1) = time.perf_counter(), domain.use()
+        t1, (busy1, own1, *_) = time.perf_counter(), domain.sample()
     finally:
         busy.kill()
         busy.wait()
@@ -136,9 +156,9 @@ def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
         start = time.perf_counter()
 
         class Loaded(CpuDomain):  # two CPUs: this process on one, another on the other
-            def use(self) -> tuple[float, float]:
+            def sample(self) -> tuple[float, float, int, int, float]:
                 wall = time.perf_counter() - start
-                return wall * self.cpus, wall
+                return wall * self.cpus, wall, 0, 0, wall * self.cpus
 
         monkeypatch.setattr("backend.engine.loop.cpu_domain", lambda: Loaded(2))
         monkeypatch.setattr(pool_module, "EVERY_S", 0.0)  # a decision at every step
@@ -168,9 +188,9 @@ def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
 class Quiet(CpuDomain):
     """Nothing but this process uses the domain's CPUs."""
 
-    def use(self) -> tuple[float, float]:
+    def sample(self) -> tuple[float, float, int, int, float]:
         own = time.process_time()
-        return own, own
+        return own, own, 0, 0, own
 
 
 def test_an_engine_in_a_one_cpu_quota_computes_with_one_thread_from_the_start(
