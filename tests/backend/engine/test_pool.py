@@ -141,6 +141,19 @@ def test_the_counters_see_another_process_keep_a_cpu_busy() -> None:
     assert 0.7 <= others <= domain.cpus
 
 
+def team_sizes(monkeypatch) -> list[int]:
+    """The compute team's size at each job the engine runs, as they run."""
+    seen: list[int] = []
+    real = JobRunner.run
+
+    def run(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JobRunner, "run", run)
+    return seen
+
+
 def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
     models, monkeypatch
 ) -> None:
@@ -162,14 +175,7 @@ def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
 
         monkeypatch.setattr("backend.engine.loop.cpu_domain", lambda: Loaded(2))
         monkeypatch.setattr(pool_module, "EVERY_S", 0.0)  # a decision at every step
-        seen: list[int] = []
-        real = JobRunner.run
-
-        def run(self, *args, **kwargs):
-            seen.append(torch.get_num_threads())
-            return real(self, *args, **kwargs)
-
-        monkeypatch.setattr(JobRunner, "run", run)
+        seen = team_sizes(monkeypatch)
         eng = Engine(model, config)
         try:
             busy = run_staggered(eng), eng.logits_log
@@ -203,14 +209,7 @@ def test_an_engine_in_a_one_cpu_quota_computes_with_one_thread_from_the_start(
     model = models["mixtral-q8-gguf"]
     config = EngineConfig(policy="bevy", cache="0.5", storage="host")
     monkeypatch.setattr("backend.engine.loop.cpu_domain", lambda: Quiet(1, Path("/quota")))
-    seen: list[int] = []
-    real = JobRunner.run
-
-    def run(self, *args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(JobRunner, "run", run)
+    seen = team_sizes(monkeypatch)
     torch.set_num_threads(2)
     try:
         eng = Engine(model, config)
