@@ -114,12 +114,14 @@ class ComputePool:
     """The compute team's size for a machine of ``cpus`` CPUs, at most ``most`` threads.
 
     ``withheld``: the share of a CPU a quota keeps back (a quota of 1.5 CPUs: 0.5). A team
-    that computes throughout runs the quota out each period and is stopped as a whole:
-    under 1.5 CPUs bevy decoded 21-25 tok/s on two threads and 32 on one; a team whose
-    compute comes in bursts between fetches fits the quota with both (sync: 23-26 tok/s
-    on two, 14-19 on one; docs/performance.md). So the withheld share counts as others'
-    use once the quota ran out in ``THROTTLED_AT`` of the window's periods, and until
-    the group's use leaves a whole CPU of the quota free (``GROW_BELOW`` short of it).
+    that computes throughout runs the quota out each period and is stopped as a whole, so
+    under 1.5 CPUs bevy decoded faster on one thread than on two; a team whose compute
+    comes in bursts between fetches fits the quota with both, and sync decoded slower on
+    one (docs/performance.md). So the withheld share counts as others' use once the
+    quota ran out in ``THROTTLED_AT`` of the window's periods, and until the group's use
+    leaves a whole CPU of the quota free (``GROW_BELOW`` short of it). ``machine_cpus``:
+    inside a quota, what the rest of the machine takes beyond the CPUs the quota leaves
+    unused counts too (a program busy outside the container).
     """
 
     most: int
