@@ -95,8 +95,9 @@ def _cpu_group(quota_us: int) -> list[Path]:
         own = Path(cgroup.PROC).read_text().strip().split("::")[-1].lstrip("/")
         group = root / own / name
         try:
+            # Enabling the controller for the group's children would change this machine.
             if "cpu" not in (group.parent / "cgroup.subtree_control").read_text().split():
-                (group.parent / "cgroup.subtree_control").write_text("+cpu")
+                pytest.skip(f"the cpu controller is not enabled below {group.parent}")
             group.mkdir()
             (group / "cpu.max").write_text(f"{quota_us} 100000")
         except OSError as exc:
