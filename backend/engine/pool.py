@@ -16,8 +16,9 @@ size does not flip on noise. An engine started with fewer threads than the machi
 CPUs keeps them all while enough CPUs are free. Inside a cgroup with a CPU quota (a
 container's ``--cpus``) the machine's counters see the host: there the CPUs are the
 quota's, rounded up, others' use is the group's counter less this process's
-(``CpuDomain``), and the part of a CPU the quota withholds counts as others' use while
-the team runs the quota out. The decisions are pure Python: tested without an engine.
+(``CpuDomain``), together with what the rest of the machine takes beyond the CPUs the
+quota leaves unused, and the part of a CPU the quota withholds counts as others' use
+while the team runs the quota out. The decisions are pure Python: tested without an engine.
 """
 
 from __future__ import annotations

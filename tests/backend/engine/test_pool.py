@@ -124,7 +124,7 @@ def test_decides_over_a_recent_window_only() -> None:
 
 
 def test_the_counters_see_another_process_keep_a_cpu_busy() -> None:
-    """``CpuDomain.use`` reads the machine (or this process's CPU cgroup, which a child
+    """``CpuDomain.sample`` reads the machine (or this process's CPU cgroup, which a child
     shares): a busy loop beside this (sleeping) process counts as others' use of about one
     CPU."""
     domain = cpu_domain()
