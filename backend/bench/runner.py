@@ -17,14 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from backend.bench.workloads import load_workload
 from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine, short_switch_interval
 from backend.engine.memory import trim_heap
+from backend.engine.pool import EVERY_S, ComputePool, cpu_domain
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, MetricsSnapshot, Submit, TokenEvent
 from backend.models.generate import chat_prompt_ids, greedy_reference
 from backend.models.loader import LoadedModel
+from backend.models.transformer import GetExpert
 
 SLOT_NOTES = {
     "stored": "A cache slot holds one expert's stored (quantized) bytes. Compute reads them directly (a fused kernel for Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 experts with few rows, on the CPU) or dequantizes them on use; either way it is counted as compute time.",
@@ -224,6 +228,37 @@ class BenchCancelled(BevyError):
     """The comparison was cancelled between two of its runs."""
 
 
+def _reference(
+    model: LoadedModel,
+    prompts: list[list[int]],
+    tokens: int,
+    get_expert: GetExpert | None = None,
+) -> list[list[int]]:
+    """``greedy_reference`` on a CPU team sized before each step to the CPUs other
+    processes leave, as the engine's team is (``ComputePool``): beside a busy program a
+    full team waits at every barrier for the member the OS set aside, and the reference
+    took minutes (docs/performance.md). The caller's team size comes back after.
+
+    A step of the reference (the prompts' whole prefill, a token of every prompt) is one
+    call that may take seconds: the pool reads the last minute, not the engine's few
+    seconds, and has its first reading before the prefill begins."""
+    threads = torch.get_num_threads()
+    if model.transformer.device.type != "cpu" or threads == 1:
+        return greedy_reference(model, prompts, tokens, get_expert)
+    pool = ComputePool.of(cpu_domain(), threads, window_s=60.0)
+    pool.poll(time.perf_counter())
+    time.sleep(EVERY_S)
+
+    def resize() -> None:
+        if (n := pool.poll(time.perf_counter())) and n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
+    try:
+        return greedy_reference(model, prompts, tokens, get_expert, resize)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_bench(
     model: LoadedModel,
     plan: BenchPlan,
@@ -258,7 +293,7 @@ def run_bench(
             step()
             prompts[(w, n)] = prompts_for(model, w, n)
             log(f"reference: plain greedy decoding of {n} {w} prompts ({plan.tokens} tokens) ...")
-            references[(w, n)] = greedy_reference(model, prompts[(w, n)], plan.tokens)
+            references[(w, n)] = _reference(model, prompts[(w, n)], plan.tokens)
     for rep in range(plan.repeats):
         for w, n, c in configs:
             for policy in plan.policies:
@@ -279,9 +314,7 @@ def run_bench(
                 if key not in references:
                     log("reference: the same, the experts dequantized, as that backend ...")
                     dequantized = model.resident_experts().for_compute
-                    references[key] = greedy_reference(
-                        model, prompts[(w, n)], plan.tokens, dequantized
-                    )
+                    references[key] = _reference(model, prompts[(w, n)], plan.tokens, dequantized)
                 rec["tokens_identical_to_reference"] = rec.pop("tokens") == references[key]
                 results.setdefault((w, n, c, policy), []).append(rec)
     if progress is not None:

@@ -36,7 +36,7 @@ from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
 from backend.engine.jobs import JobRunner
 from backend.engine.memory import release_pages, rss_bytes, trim_heap
-from backend.engine.pool import ComputePool, cpu_domain, machine_cpus
+from backend.engine.pool import ComputePool, cpu_domain
 from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Ride, make_policy, progress, prompt_part, riders, split
@@ -301,15 +301,9 @@ class Engine:
         self.balancer = Balancer() if self.policy.balance else None
         # The compute team sized to the CPUs other processes (and a cgroup's quota) leave
         # it; on an accelerator the CPU's threads carry little of the work.
-        self._cpus = cpu_domain() if device.type == "cpu" and self._compute_threads > 1 else None
         self.pool = (
-            ComputePool(
-                min(self._compute_threads, self._cpus.cpus),
-                self._cpus.cpus,
-                self._cpus.withheld,
-                machine_cpus(),
-            )
-            if self._cpus is not None
+            ComputePool.of(cpu_domain(), self._compute_threads)
+            if device.type == "cpu" and self._compute_threads > 1
             else None
         )
         self._resized_on: int | None = None  # the thread whose team the pool resized
@@ -443,12 +437,11 @@ class Engine:
         """One iteration: schedule -> run -> postprocess. Returns whether a job ran (a
         split run, ``scheduler.split``, does not count: no request moved on)."""
         self.jobs.stop.value = 0  # what arrives from here on is drained after the next job
-        if self.pool is not None and self.pool.due(now := time.perf_counter()):
-            # Before the step's jobs: a quota's size holds from the first one on.
-            threads = self.pool.update(now, *self._cpus.sample())
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
-                self._resized_on = threading.get_ident()
+        # Before the step's jobs: a quota's size holds from the first one on.
+        pool = self.pool
+        if pool and (n := pool.poll(time.perf_counter())) and n != torch.get_num_threads():
+            torch.set_num_threads(n)
+            self._resized_on = threading.get_ident()
         self._drain(block=False)
         if self._warm and not self._warming and not self._warm_held:
             self._warm_more()  # the first step (or idle one); after it, each read's end

@@ -133,14 +133,29 @@ class ComputePool:
     changes: int = 0
     others: float = 0.0  # CPUs the other processes kept busy over the last window
     throttled: bool = False  # the quota ran out: its withheld share counts as others' use
+    domain: CpuDomain | None = None  # what ``poll`` samples
+    window_s: float = WINDOW_S  # the history each decision reads (and its samples' most apart)
     _samples: deque = field(default_factory=deque)
     _last: float = float("-inf")
 
     def __post_init__(self) -> None:
         self.threads = self.threads or min(self.most, self.cpus)
 
+    @classmethod
+    def of(cls, domain: CpuDomain, most: int, window_s: float = WINDOW_S) -> ComputePool:
+        """The pool of ``domain``'s CPUs for a team of at most ``most`` threads."""
+        cpus = domain.cpus
+        return cls(
+            min(most, cpus), cpus, domain.withheld, machine_cpus(), domain=domain, window_s=window_s
+        )
+
     def due(self, now: float) -> bool:
         return now - self._last >= EVERY_S
+
+    def poll(self, now: float) -> int | None:
+        """Between pieces of work: once a decision is due, ``update`` with a sample of the
+        pool's ``domain`` and the threads to compute with; None until then."""
+        return self.update(now, *self.domain.sample()) if self.due(now) else None
 
     def update(
         self,
@@ -152,13 +167,13 @@ class ComputePool:
         machine_s: float | None = None,
     ) -> int:
         """Take a ``CpuDomain.sample`` at ``now``; returns the threads to compute with.
-        Decides once the samples span ``EVERY_S``, over at most ``WINDOW_S`` of them (a
+        Decides once the samples span ``EVERY_S``, over at most ``window_s`` of them (a
         window reaching into an idle spell would read an old load)."""
         self._last = now
         machine_s = busy_s if machine_s is None else machine_s
         samples = self._samples
         samples.append((now, busy_s, own_s, periods, throttled, machine_s))
-        while now - samples[0][0] > WINDOW_S + EVERY_S / 2:
+        while now - samples[0][0] > self.window_s + EVERY_S / 2:
             samples.popleft()
         t0, busy0, own0, periods0, throttled0, machine0 = samples[0]
         if now <= t0 or now - t0 < EVERY_S:

@@ -287,14 +287,20 @@ def generate(
 
 @torch.inference_mode()
 def greedy_reference(
-    model: LoadedModel, prompts: list[list[int]], steps: int, get_expert: GetExpert | None = None
+    model: LoadedModel,
+    prompts: list[list[int]],
+    steps: int,
+    get_expert: GetExpert | None = None,
+    before_step: Callable[[], None] = lambda: None,
 ) -> list[list[int]]:
     """Plain in-memory greedy decoding of several prompts as one batch, ``steps`` tokens each
-    (EOS ignored): the reference every engine policy must reproduce."""
+    (EOS ignored): the reference every engine policy must reproduce. ``before_step`` is
+    called before each forward pass (the prompts', then each token's)."""
     t = model.transformer
     get_expert = get_expert or model.resident_experts(native=True).for_compute
     kvs = [KVCache(model.config.n_layers) for _ in prompts]
     seqs = [SeqSlice(kv, 0, len(p)) for kv, p in zip(kvs, prompts, strict=True)]
+    before_step()
     logits = t.forward(
         torch.tensor([i for p in prompts for i in p], device=t.device), seqs, get_expert
     )
@@ -307,6 +313,7 @@ def greedy_reference(
         if step == steps - 1:
             break
         seqs = [SeqSlice(kv, p, 1) for kv, p in zip(kvs, pos, strict=True)]
+        before_step()
         logits = t.forward(torch.tensor(nxt, device=t.device), seqs, get_expert)
         pos = [p + 1 for p in pos]
     return out

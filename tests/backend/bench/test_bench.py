@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from backend.bench import runner
 from backend.bench.runner import BenchPlan, format_tables, prompts_for, run_bench, run_once
 from backend.config import EngineConfig
 from backend.models.loader import load_model
 from benchmarks import targets
+from tests.helpers.cpu_load import Loaded
 from tests.helpers.tiny import make_tiny_chat
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -204,6 +206,36 @@ def test_a_runs_peak_leaves_out_what_the_reference_read_and_freed() -> None:
     rec = run_once(model, "bevy", prompts, 0.3, BenchPlan(tokens=2))
     assert after_reference > 1500  # the experts' file pages, mapped
     assert rec["peak_rss_mib"] < after_reference - 500
+
+
+def test_the_reference_computes_on_the_threads_a_busy_machine_leaves(
+    chat_model: Path, monkeypatch
+) -> None:
+    """The machine's counters scripted (at the boundary with the OS) to say another
+    process keeps one of two CPUs busy: every step of the plain-decoding reference, the
+    prompts' prefill first, runs on one thread, its tokens are those of two, and the
+    caller gets its two threads back."""
+    from backend.models.generate import greedy_reference
+
+    model = load_model(chat_model)
+    prompts = prompts_for(model, "chat", 3)
+    torch.set_num_threads(2)
+    try:
+        quiet = greedy_reference(model, prompts, 4)
+        monkeypatch.setattr(runner, "cpu_domain", lambda: Loaded(2))
+        seen = []
+        forward = model.transformer.forward
+
+        def counted(*args):
+            seen.append(torch.get_num_threads())
+            return forward(*args)
+
+        monkeypatch.setattr(model.transformer, "forward", counted)
+        assert runner._reference(model, prompts, 4) == quiet
+        assert seen == [1, 1, 1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(2)
 
 
 def test_a_paced_link_is_recorded_and_named(chat_model: Path) -> None:

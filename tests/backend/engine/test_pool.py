@@ -17,6 +17,7 @@ from backend.engine import pool as pool_module
 from backend.engine.jobs import JobRunner
 from backend.engine.loop import Engine
 from backend.engine.pool import EVERY_S, WINDOW_S, ComputePool, CpuDomain, cpu_domain
+from tests.helpers.cpu_load import Loaded
 from tests.helpers.engine_runs import assert_same_results, run_clean, run_staggered
 
 
@@ -123,6 +124,18 @@ def test_decides_over_a_recent_window_only() -> None:
     assert len(pool._samples) <= WINDOW_S / EVERY_S + 2
 
 
+def test_a_longer_window_decides_between_steps_longer_than_the_engines() -> None:
+    """The bench's plain-decoding reference polls between steps that take seconds on a
+    full team beside a busy program: the engine's window holds only the newest of such
+    samples and decides nothing; a window of a minute decides at each."""
+
+    def every_3_s(pool: ComputePool) -> list[int]:  # others keep one of two CPUs busy
+        return [pool.update(t, 2.0 * t, t) for t in (0.0, 3.0, 6.0, 9.0)]
+
+    assert every_3_s(ComputePool(most=2, cpus=2)) == [2, 2, 2, 2]
+    assert every_3_s(ComputePool(most=2, cpus=2, window_s=60.0)) == [2, 1, 1, 1]
+
+
 def test_the_counters_see_another_process_keep_a_cpu_busy() -> None:
     """``CpuDomain.sample`` reads the machine (or this process's CPU cgroup, which a child
     shares): a busy loop beside this (sleeping) process counts as others' use of about one
@@ -166,13 +179,7 @@ def test_an_engine_under_load_computes_with_fewer_threads_and_the_same_results(
     torch.set_num_threads(2)
     try:
         quiet = run_clean(model, config)
-        start = time.perf_counter()
-
-        class Loaded(CpuDomain):  # two CPUs: this process on one, another on the other
-            def sample(self) -> tuple[float, float, int, int, float]:
-                wall = time.perf_counter() - start
-                return wall * self.cpus, wall, 0, 0, wall * self.cpus
-
+        # two CPUs: this process on one, another on the other
         monkeypatch.setattr("backend.engine.loop.cpu_domain", lambda: Loaded(2))
         monkeypatch.setattr(pool_module, "EVERY_S", 0.0)  # a decision at every step
         seen = team_sizes(monkeypatch)
