@@ -17,7 +17,9 @@ fetch order stay bevy's): when compute was busy nearly all the time while the li
 mostly idle. It lets them run ahead again once
 the link is busy for a good share of the time, or compute idles for half of it: with
 requests held together, either means compute is waiting on the link. The two thresholds are apart so that the mode does not flip
-on noise. Pure Python: tested without an engine.
+on noise. Under a CPU quota of at most 0.6 of a CPU (``CpuDomain.starved``) the requests
+are always held: there the CPU time a token takes bounds decoding, whatever the lanes
+show. Pure Python: tested without an engine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ EVERY_S = 0.5  # how often it decides
 
 @dataclass
 class Balancer:
+    starved: bool = False  # a CPU quota leaves the engine too little (``CpuDomain.starved``)
     together: bool = False
     switches: int = 0
     _last: float = float("-inf")
@@ -59,10 +62,13 @@ class Balancer:
 
     def update(self, now: float, link_busy: float, compute_busy: float, n_running: int) -> bool:
         """Decide from the window's busy fractions (0..1) and the requests running; returns
-        whether they advance together. With fewer than two there is nothing to hold."""
+        whether they advance together. With fewer than two there is nothing to hold; in a
+        ``starved`` engine two or more always are."""
         self._last = now
         if n_running < 2:
             want = False
+        elif self.starved:
+            want = True
         elif self.together:
             want = link_busy <= LINK_BUSY and compute_busy >= 1.0 - COMPUTE_IDLE
         else:

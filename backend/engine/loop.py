@@ -298,14 +298,16 @@ class Engine:
         # fixed-size recurrent state per request instead (``state_bytes``).
         model.transformer.set_kv_type(config.kv_type)
         self.kv_bytes_per_token = c.kv_values_per_token * model.transformer.kv_dtype.itemsize
-        self.balancer = Balancer() if self.policy.balance else None
         # The compute team sized to the CPUs other processes (and a cgroup's quota) leave
         # it; on an accelerator the CPU's threads carry little of the work.
+        cpus = cpu_domain() if device.type == "cpu" else None
         self.pool = (
-            ComputePool.of(cpu_domain(), self._compute_threads)
-            if device.type == "cpu" and self._compute_threads > 1
+            ComputePool.of(cpus, self._compute_threads)
+            if cpus is not None and self._compute_threads > 1
             else None
         )
+        starved = cpus is not None and cpus.starved
+        self.balancer = Balancer(starved) if self.policy.balance else None
         self._resized_on: int | None = None  # the thread whose team the pool resized
         self._thread: threading.Thread | None = None
         self._capped = device.type == "cuda" and bool(config.memory)

@@ -83,6 +83,17 @@ class CpuDomain:
     withheld: float = 0.0  # the part of the last CPU a quota of 1.5 CPUs, say, withholds
     stat: Path | None = None  # the quota's periods and throttled ones (``cgroup.cpu_stat_file``)
 
+    @property
+    def starved(self) -> bool:
+        """A quota short of one CPU by at least the share that costs the team a thread
+        (``SHRINK_AT``): all the engine's threads get at most 0.6 of a CPU's time, however
+        long they are ready to run, so the CPU time a token takes bounds decoding, and
+        ``bevy`` holds its requests together (``Balancer``). Under 0.5 of a CPU that
+        decoded as fast as sync and a third faster than runahead; under 0.75 runahead was
+        still the fastest (docs/performance.md). Other processes' load is not a quota: a
+        thread ready to run more of the time gets more of a shared CPU."""
+        return self.cpus - self.withheld <= 1.0 - SHRINK_AT
+
     def sample(self) -> tuple[float, float, int, int, float]:
         """For ``ComputePool.update``: (seconds the domain's CPUs have been busy, seconds
         this process has run, quota periods, periods in which the quota ran out, seconds

@@ -40,6 +40,13 @@ def test_holds_while_compute_bound_and_lets_go_when_the_link_is_busy() -> None:
     assert b.due(5.0 + EVERY_S) and not b.due(5.0 + EVERY_S / 2)
 
 
+def test_a_starved_engine_holds_whatever_the_lanes_say() -> None:
+    b = Balancer(starved=True)
+    assert b.update(0.0, link_busy=0.95, compute_busy=0.3, n_running=8)  # link-bound
+    assert b.update(1.0, link_busy=0.3, compute_busy=0.4, n_running=2)
+    assert not b.update(2.0, link_busy=0.0, compute_busy=1.0, n_running=1)  # nothing to hold
+
+
 def test_decisions_after_a_change_read_only_the_time_since() -> None:
     """After a prompt's prefill ends, a decision reads the lanes only from then on (at
     least ``EVERY_S`` of them), so a held prefill does not keep its decoding held."""

@@ -231,3 +231,46 @@ def test_an_engine_in_a_one_cpu_quota_computes_with_one_thread_from_the_start(
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(2)
+
+
+def test_a_quota_under_six_tenths_of_a_cpu_starves_the_engine() -> None:
+    """Only a quota leaves the engine's threads less CPU however long they are ready to
+    run: under ``1 - SHRINK_AT`` of a CPU the engine is starved; a busy machine is not."""
+    quota = Path("/quota")
+    assert CpuDomain(1, quota, withheld=0.5).starved  # --cpus 0.5
+    assert CpuDomain(1, quota, withheld=0.4).starved  # 0.6
+    assert not CpuDomain(1, quota, withheld=0.25).starved  # 0.75
+    assert not CpuDomain(2, quota, withheld=0.5).starved  # 1.5
+    assert not CpuDomain(1).starved and not CpuDomain(2).starved  # no quota
+
+
+def test_a_bevy_engine_in_half_a_cpu_holds_its_requests_together(models, monkeypatch) -> None:
+    """A quota of half a CPU (scripted at the boundary with the OS): ``bevy``'s balancer
+    holds the running requests together from its first decision, whatever the lanes
+    say, and the results are those of a quiet machine's runahead."""
+    from backend.engine import balance
+    from backend.engine.scheduler import Policy
+    from tests.helpers.spy import spy
+
+    model = models["mixtral-q8-gguf"]
+    config = EngineConfig(policy="bevy", cache="0.5", storage="host")
+    torch.set_num_threads(2)
+    try:
+        quiet = run_clean(model, config)
+        monkeypatch.setattr(
+            "backend.engine.loop.cpu_domain", lambda: Quiet(1, Path("/quota"), withheld=0.5)
+        )
+        monkeypatch.setattr(balance, "EVERY_S", 0.0)  # a decision at every step
+        groups = spy(monkeypatch, Policy, "compute_group")
+        eng = Engine(model, config)
+        try:
+            assert eng.balancer.starved
+            held = run_staggered(eng), eng.logits_log
+        finally:
+            eng.close()
+        assert_same_results(held, quiet)
+        # Held from the first decision with two running: every group chosen after it.
+        chose = [args[3] for args, _ in groups]
+        assert True in chose and False not in chose[chose.index(True) :]
+    finally:
+        torch.set_num_threads(2)
