@@ -88,10 +88,11 @@ class CpuDomain:
         """A quota short of one CPU by at least the share that costs the team a thread
         (``SHRINK_AT``): all the engine's threads get at most 0.6 of a CPU's time, however
         long they are ready to run, so the CPU time a token takes bounds decoding, and
-        ``bevy`` holds its requests together (``Balancer``). Under 0.5 of a CPU that
-        decoded as fast as sync and a third faster than runahead; under 0.75 runahead was
-        still the fastest (docs/performance.md). Other processes' load is not a quota: a
-        thread ready to run more of the time gets more of a shared CPU."""
+        ``bevy`` holds its requests together (``Balancer``): under half a CPU, held
+        requests decoded as sync's do and faster than runahead's smaller groups; under
+        three quarters runahead's overlap still paid (docs/performance.md). Other
+        processes' load is not a quota: a thread ready to run more of the time gets more
+        of a shared CPU, and there runahead stayed ahead."""
         return self.cpus - self.withheld <= 1.0 - SHRINK_AT
 
     def sample(self) -> tuple[float, float, int, int, float]:
