@@ -155,8 +155,9 @@ class OverlapPanel(ThemedPanel):
             "on: requests advance layer by layer on their own, so the link fetches what "
             "is known to be needed while compute runs others. limited: the cache is too "
             "small for every request's experts at once. held: compute is the bottleneck "
-            "and the link idles, so requests advance together in bigger batches. off: a "
-            "lockstep policy (sync)."
+            "and the link idles, or a CPU quota (a container's --cpus) gives the engine "
+            "under 0.6 of a CPU, so requests advance together in bigger batches, which "
+            "take less CPU time a token. off: a lockstep policy (sync)."
         )
         self.threads_label.setToolTip(
             "Threads computing the model, of the most it may use. Fewer while other "
