@@ -1,6 +1,6 @@
-"""``bevy`` holds its requests together while compute is the bottleneck and the link idles
-(``backend.engine.balance``): the decisions, and that held runs give plain generation's
-results, with chunked prefill going on beside them."""
+"""``bevy`` holds its requests together while compute is the bottleneck and the link idles,
+or a CPU quota starves it (``backend.engine.balance``): the decisions, and that held runs
+give plain generation's results, with chunked prefill going on beside them."""
 
 from __future__ import annotations
 
