@@ -233,9 +233,9 @@ def test_an_engine_in_a_one_cpu_quota_computes_with_one_thread_from_the_start(
         torch.set_num_threads(2)
 
 
-def test_a_quota_under_six_tenths_of_a_cpu_starves_the_engine() -> None:
+def test_a_quota_of_at_most_six_tenths_of_a_cpu_starves_the_engine() -> None:
     """Only a quota leaves the engine's threads less CPU however long they are ready to
-    run: under ``1 - SHRINK_AT`` of a CPU the engine is starved; a busy machine is not."""
+    run: at most ``1 - SHRINK_AT`` of a CPU starves the engine; a busy machine does not."""
     quota = Path("/quota")
     assert CpuDomain(1, quota, withheld=0.5).starved  # --cpus 0.5
     assert CpuDomain(1, quota, withheld=0.4).starved  # 0.6
