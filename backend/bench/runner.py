@@ -17,13 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from backend.bench.workloads import load_workload
 from backend.config import EngineConfig, SamplingParams
 from backend.engine.loop import Engine, short_switch_interval
 from backend.engine.memory import trim_heap
-from backend.engine.pool import EVERY_S, ComputePool, cpu_domain
+from backend.engine.pool import sized_team
 from backend.errors import BevyError
 from backend.messages import ErrorEvent, MetricsSnapshot, Submit, TokenEvent
 from backend.models.generate import chat_prompt_ids, greedy_reference
@@ -234,29 +232,9 @@ def _reference(
     tokens: int,
     get_expert: GetExpert | None = None,
 ) -> list[list[int]]:
-    """``greedy_reference`` on a CPU team sized before each step to the CPUs other
-    processes leave, as the engine's team is (``ComputePool``): beside a busy program a
-    full team waits at every barrier for the member the OS set aside, and the reference
-    took minutes (docs/performance.md). The caller's team size comes back after.
-
-    A step of the reference (the prompts' whole prefill, a token of every prompt) is one
-    call that may take seconds: the pool reads the last minute, not the engine's few
-    seconds, and has its first reading before the prefill begins."""
-    threads = torch.get_num_threads()
-    if model.transformer.device.type != "cpu" or threads == 1:
-        return greedy_reference(model, prompts, tokens, get_expert)
-    pool = ComputePool.of(cpu_domain(), threads, window_s=60.0)
-    pool.poll(time.perf_counter())
-    time.sleep(EVERY_S)
-
-    def resize() -> None:
-        if (n := pool.poll(time.perf_counter())) and n != torch.get_num_threads():
-            torch.set_num_threads(n)
-
-    try:
+    """``greedy_reference`` on the team a busy machine leaves (``sized_team``)."""
+    with sized_team(model.transformer.device.type == "cpu") as resize:
         return greedy_reference(model, prompts, tokens, get_expert, resize)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def run_bench(

@@ -27,6 +27,8 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,3 +211,41 @@ class ComputePool:
             self.threads = want
             self.changes += 1
         return self.threads
+
+
+@contextmanager
+def sized_team(on_cpu: bool = True) -> Iterator[Callable[[], None]]:
+    """For torch computing outside the engine (plain generation: ``bevy generate``,
+    ``bevy chat``, ``bevy bench``'s reference): a callable for between forward passes
+    that keeps the calling thread's team to the CPUs other processes leave, as the
+    engine's pool keeps its own; the caller's team size comes back at the end. Beside a
+    busy program a full team waits at every barrier for the member the OS set aside
+    (docs/performance.md).
+
+    One forward pass there (a prompt's whole prefill; on a full team beside a busy
+    program, even one token) may take seconds, longer than the engine's window: the
+    pool reads the last minute instead. Its first reading is taken on entry, and the
+    first call waits until it is ``EVERY_S`` old, so that even the first pass runs on a
+    decided team (entered before a model loads, nothing waits)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if not on_cpu or threads == 1:
+        yield lambda: None
+        return
+    pool = ComputePool.of(cpu_domain(), threads, window_s=60.0)
+    pool.poll(started := time.perf_counter())
+    first = True
+
+    def resize() -> None:
+        nonlocal first
+        if first:
+            time.sleep(max(0.0, started + EVERY_S - time.perf_counter()))
+            first = False
+        if (n := pool.poll(time.perf_counter())) and n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
+    try:
+        yield resize
+    finally:
+        torch.set_num_threads(threads)

@@ -216,7 +216,10 @@ def generate(
     params: SamplingParams,
     get_expert: GetExpert | None = None,
     on_text: Callable[[str], None] | None = None,
+    before_step: Callable[[], None] = lambda: None,
 ) -> Generation:
+    """Plain generation of one prompt, outside the engine; ``before_step`` is called
+    before each forward pass (the prompt's, then each token's)."""
     cfg, t, tok = model.config, model.transformer, model.tokenizer
     if not prompt_ids:
         raise BevyError("the prompt is empty")
@@ -237,6 +240,7 @@ def generate(
         grammar = Matcher(tok, cfg.vocab_size, params.grammar)
     out_ids: list[int] = []
     text = []
+    before_step()
     t0 = time.perf_counter()
     logits = t.forward(
         torch.tensor(prompt_ids, device=t.device), [SeqSlice(kv, 0, len(prompt_ids))], get_expert
@@ -268,6 +272,7 @@ def generate(
             break
         if len(out_ids) >= params.max_tokens or pos + 1 >= cfg.context_length:
             break
+        before_step()
         logits = t.forward(
             torch.tensor([nxt], device=t.device), [SeqSlice(kv, pos, 1)], get_expert
         )[0]

@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from backend.config import EngineConfig, parse_size
@@ -324,7 +325,7 @@ def _load(args: argparse.Namespace):
     return model
 
 
-def _generate_with_tools(model, messages: list[dict], tools: list[dict], params):
+def _generate_with_tools(model, messages: list[dict], tools: list[dict], params, before_step):
     """One reply with ``tools`` offered as the API offers them (the model's own call
     format, a call held to its schema once begun); prints {"content", "tool_calls"}."""
     from dataclasses import replace
@@ -342,7 +343,7 @@ def _generate_with_tools(model, messages: list[dict], tools: list[dict], params)
         ids = chat_prompt_ids(model, body.chat_messages(fmt), body.chat_tools(fmt))
     except ApiError as exc:
         raise BevyError(exc.message) from None
-    result = generate(model, ids, replace(params, grammar=grammar))
+    result = generate(model, ids, replace(params, grammar=grammar), before_step=before_step)
     content, calls = parse(result.text, fmt)
     reply = {"content": content, "tool_calls": [c.openai() for c in calls]}
     print(json.dumps(reply, ensure_ascii=False, indent=2))
@@ -364,20 +365,24 @@ def _tools(path: Path) -> list[dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from backend.engine.pool import sized_team
     from backend.models.generate import chat_prompt_ids, generate
+    from backend.serving.service import resolve_device
 
     params = _sampling(args)
     if args.tools is not None and params.grammar is not None:
         raise BevyError("give --tools or --json-schema, not both")
     tools = _tools(args.tools) if args.tools is not None else None
-    model = _load(args)
-    messages = _messages(args, [{"role": "user", "content": args.prompt}])
-    if tools is None:
-        ids = chat_prompt_ids(model, messages)
-        result = generate(model, ids, params, on_text=lambda s: print(s, end="", flush=True))
-        print()
-    else:
-        result = _generate_with_tools(model, messages, tools, params)
+    with sized_team(resolve_device(args.device) == "cpu") as resize:
+        model = _load(args)
+        messages = _messages(args, [{"role": "user", "content": args.prompt}])
+        if tools is None:
+            ids = chat_prompt_ids(model, messages)
+            echo = partial(print, end="", flush=True)
+            result = generate(model, ids, params, on_text=echo, before_step=resize)
+            print()
+        else:
+            result = _generate_with_tools(model, messages, tools, params, resize)
     if args.stats:
         print(
             f"[{result.prompt_tokens} prompt tokens, prefill {result.prefill_s:.2f} s; "
@@ -388,33 +393,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from backend.engine.pool import sized_team
     from backend.models.generate import chat_prompt_ids, generate
+    from backend.serving.service import resolve_device
 
     params = _sampling(args)
-    model = _load(args)
-    print(
-        f"Chatting with {model.path.name} ({model.config.family}). Empty line or Ctrl-D to quit.",
-        file=sys.stderr,
-    )
     history: list[dict] = []
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
+    echo = partial(print, end="", flush=True)
+    with sized_team(resolve_device(args.device) == "cpu") as resize:
+        model = _load(args)
+        print(
+            f"Chatting with {model.path.name} ({model.config.family}). "
+            "Empty line or Ctrl-D to quit.",
+            file=sys.stderr,
+        )
+        while True:
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                print()
+                return 0
+            if not line:
+                return 0
+            history.append({"role": "user", "content": line})
+            ids = chat_prompt_ids(model, _messages(args, history))
+            try:
+                result = generate(model, ids, params, on_text=echo, before_step=resize)
+            except KeyboardInterrupt:
+                print("\n[stopped]")
+                history.pop()
+                continue
             print()
-            return 0
-        if not line:
-            return 0
-        history.append({"role": "user", "content": line})
-        ids = chat_prompt_ids(model, _messages(args, history))
-        try:
-            result = generate(model, ids, params, on_text=lambda s: print(s, end="", flush=True))
-        except KeyboardInterrupt:
-            print("\n[stopped]")
-            history.pop()
-            continue
-        print()
-        history.append({"role": "assistant", "content": result.text})
+            history.append({"role": "assistant", "content": result.text})
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -222,7 +222,7 @@ def test_the_reference_computes_on_the_threads_a_busy_machine_leaves(
     torch.set_num_threads(2)
     try:
         quiet = greedy_reference(model, prompts, 4)
-        monkeypatch.setattr(runner, "cpu_domain", lambda: Loaded(2))
+        monkeypatch.setattr("backend.engine.pool.cpu_domain", lambda: Loaded(2))
         seen = []
         forward = model.transformer.forward
 

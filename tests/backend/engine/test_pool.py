@@ -274,3 +274,35 @@ def test_a_bevy_engine_in_half_a_cpu_holds_its_requests_together(models, monkeyp
         assert True in chose and False not in chose[chose.index(True) :]
     finally:
         torch.set_num_threads(2)
+
+
+def test_plain_generation_from_the_cli_computes_on_the_threads_a_busy_machine_leaves(
+    tiny_chat_moe: Path, monkeypatch, capsys
+) -> None:
+    """`bevy generate` decodes outside the engine (``sized_team``): with the machine's
+    counters scripted to say another process keeps one of two CPUs busy, every forward
+    pass, the prompt's first, runs on one thread, and it prints what it prints with the
+    machine's own counters."""
+    from backend.models.transformer import Transformer
+    from backend.serving import cli
+
+    args = ["generate", "--model", str(tiny_chat_moe), "--max-tokens", "4"]
+    args += ["--temperature", "0", "Hello there."]
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(args) == 0
+        plain = capsys.readouterr().out
+        monkeypatch.setattr(pool_module, "cpu_domain", lambda: Loaded(2))
+        seen: list[int] = []
+        forward = Transformer.forward
+
+        def counted(self, *a):
+            seen.append(torch.get_num_threads())
+            return forward(self, *a)
+
+        monkeypatch.setattr(Transformer, "forward", counted)
+        assert cli.main(args) == 0
+        assert capsys.readouterr().out == plain
+        assert len(seen) >= 2 and set(seen) == {1}
+    finally:
+        torch.set_num_threads(before)
