@@ -18,7 +18,9 @@ container's ``--cpus``) the machine's counters see the host: there the CPUs are 
 quota's, rounded up, others' use is the group's counter less this process's
 (``CpuDomain``), together with what the rest of the machine takes beyond the CPUs the
 quota leaves unused, and the part of a CPU the quota withholds counts as others' use
-while the team runs the quota out. The decisions are pure Python: tested without an engine.
+while the team runs the quota out. ``sized_team`` keeps torch's team to such a pool where
+it computes outside the engine (plain generation). The decisions are pure Python: tested
+without an engine.
 """
 
 from __future__ import annotations
