@@ -28,6 +28,12 @@
 #include "kernels.h"
 #include "simd.h"
 
+/* Bytes ahead of the packed kernels' reading place that they ask the CPU to bring in: a
+   packed weight is one run of bytes, but the hardware prefetcher, which stops at each 4 KiB
+   page and restarts with every new stream (gate, up, down in turn, each thread's share of
+   the columns), leaves a cold expert's product well short of the memory's pace
+   (docs/performance.md). Past the weight's end the prefetch does not fault. */
+#define PF_AHEAD 2048
 #define ROWS 8 /* rows of x reduced together, each weight block widened once for them */
 /* q4_cols' type codes of Q4_0 / Q4_1 packed by 16 rows (bevy_q4_pack); 0-8 are the blocks
    as stored, listed at q4_cols. */
@@ -239,6 +245,8 @@ static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, con
         for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
         const uint8_t *c = w + (size_t)g * nb * 16 * bs;
         for (int b = 0; b < nb; b++, c += 16 * bs) {
+            for (int j = 0; j < 16 * bs; j += 64) /* this block's lines, PF_AHEAD on */
+                _mm_prefetch((const char *)(c + PF_AHEAD + j), _MM_HINT_T0);
             __m512i dot[ROWS];
             for (int r = 0; r < m; r++) dot[r] = _mm512_setzero_si512();
             for (int j = 0; j < 4; j++) {
@@ -283,15 +291,18 @@ static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, con
 /* The same on AVX2 (8 lanes): each group of 16 rows in two halves of 8 (half h: rows 8h ..
    8h + 7, bytes 32h .. 32h + 31 of each run), rows of x at most four at a time (their
    sums and accumulators, 8 of the 16 vector registers); the next four read the group's
-   bytes again, from the CPU's cache. */
+   bytes again, from the CPU's cache. `fetch`: the group's first pass, which prefetches. */
 static inline __attribute__((always_inline)) void q4p_half(const uint8_t *c, const int q4_1,
                                                            const x8_t x8, const int m, int k,
-                                                           float *y, int ldy, int h) {
+                                                           float *y, int ldy, int h, int fetch) {
     const int nb = k / 32, bs = q4_1 ? 20 : 18, hs = q4_1 ? 64 : 32;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[4];
     for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, c += 16 * bs) {
+        if (fetch)
+            for (int j = 0; j < 16 * bs; j += 64)
+                _mm_prefetch((const char *)(c + PF_AHEAD + j), _MM_HINT_T0);
         __m256i dot[4];
         for (int r = 0; r < m; r++) dot[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
@@ -333,13 +344,13 @@ static inline __attribute__((always_inline)) void q4p_cols(const uint8_t *w, con
                 const x8_t xr = x8_rows(x8, r0, k);
                 float *yr = y + (size_t)r0 * ldy + (size_t)g * 16;
                 if (m - r0 >= 4)
-                    q4p_half(c, q4_1, xr, 4, k, yr, ldy, h);
+                    q4p_half(c, q4_1, xr, 4, k, yr, ldy, h, !h && !r0);
                 else if (m - r0 == 3)
-                    q4p_half(c, q4_1, xr, 3, k, yr, ldy, h);
+                    q4p_half(c, q4_1, xr, 3, k, yr, ldy, h, !h && !r0);
                 else if (m - r0 == 2)
-                    q4p_half(c, q4_1, xr, 2, k, yr, ldy, h);
+                    q4p_half(c, q4_1, xr, 2, k, yr, ldy, h, !h && !r0);
                 else
-                    q4p_half(c, q4_1, xr, 1, k, yr, ldy, h);
+                    q4p_half(c, q4_1, xr, 1, k, yr, ldy, h, !h && !r0);
             }
     }
 }
