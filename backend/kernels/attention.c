@@ -38,12 +38,27 @@ static inline acc_t v_exp(acc_t x) {
     return v_mul(p, v_pow2(n));
 }
 
+/* Query heads that one pass over a chunk's keys or values takes together: as many as keep
+   their queries, or their accumulators, in half the vector registers (dh / VW each). Each
+   key and value row is then read from memory once for all of them, not once a head. */
+#ifdef __AVX512F__
+#define ATT_REGS 16
+#else
+#define ATT_REGS 8
+#endif
+#define ATT_HEADS(nv) ((nv) >= ATT_REGS ? 1 : ATT_REGS / (nv))
+/* Bytes of keys ahead of the score loop that it asks the CPU for, with the values of the
+   row it scores (for the pass over them that follows): a kv head's rows are one run of
+   bytes, which the hardware prefetcher restarts at every 4 KiB page. */
+#define ATT_AHEAD 2048
+
 /* One work item: the `rep` query heads q [rep, dh] of one kv head against its keys and
    values K, V [*, dh] at positions j0 <= j < j1. Writes, per head i, the chunk's score
    maximum m, sum l of exp(score - m) and acc [dh] = sum of exp(score - m) * v, to
    out + i * (dh + 2) as (acc, m, l). K and V hold float16 if half, else float32. Inlined
    with dh and half constants (64, 128; 0, 1) so that a head's dh / VW accumulators stay in
-   registers and each load is one kind. */
+   registers and each load is one kind. A head's operations, and their order, are the
+   same whichever heads share its pass. */
 #define KV_LOAD(p, at) (half ? v_loadh((const uint16_t *)(p) + (at)) : v_load((const float *)(p) + (at)))
 static inline __attribute__((always_inline)) void attn_chunk_dh(const float *q, int rep,
                                                                 const int dh, const int half,
@@ -51,20 +66,31 @@ static inline __attribute__((always_inline)) void attn_chunk_dh(const float *q, 
                                                                 int j0, int j1, float scale,
                                                                 float *out) {
     float s[ATT_MAX_REP][ATT_CHUNK + VW];
-    const int n = j1 - j0, npad = (n + VW - 1) / VW * VW, nv = dh / VW;
-    for (int i = 0; i < rep; i++) {
-        const float *qi = q + (size_t)i * dh;
-        acc_t qv[256 / VW];
-        for (int d = 0; d < nv; d++) qv[d] = v_load(qi + d * VW);
+    const int n = j1 - j0, npad = (n + VW - 1) / VW * VW, nv = dh / VW, hb = ATT_HEADS(nv);
+    const int row = dh * (half ? 2 : 4), ahead = (ATT_AHEAD + row - 1) / row;
+    const char *kb = (const char *)K, *vb = (const char *)V;
+    for (int i0 = 0; i0 < rep; i0 += hb) {
+        const int nh = rep - i0 < hb ? rep - i0 : hb;
+        acc_t qv[256 / VW]; /* nh * nv of them */
+        for (int i = 0; i < nh; i++)
+            for (int d = 0; d < nv; d++) qv[i * nv + d] = v_load(q + (size_t)(i0 + i) * dh + d * VW);
         for (int j = 0; j < n; j++) {
             const size_t kj = (size_t)(j0 + j) * dh;
-            acc_t a = v_mul(qv[0], KV_LOAD(K, kj)), b = acc_zero();
-            if (nv > 1) b = v_mul(qv[1], KV_LOAD(K, kj + VW));
-            for (int d = 2; d < nv; d += 2) {
-                a = v_fmadd(qv[d], KV_LOAD(K, kj + d * VW), a);
-                if (d + 1 < nv) b = v_fmadd(qv[d + 1], KV_LOAD(K, kj + (d + 1) * VW), b);
+            if (i0 == 0)
+                for (int c = 0; c < row; c += 64) {
+                    _mm_prefetch(kb + (size_t)(j0 + j + ahead) * row + c, _MM_HINT_T0);
+                    _mm_prefetch(vb + (size_t)(j0 + j) * row + c, _MM_HINT_T1);
+                }
+            for (int i = 0; i < nh; i++) {
+                const acc_t *qi = qv + i * nv;
+                acc_t a = v_mul(qi[0], KV_LOAD(K, kj)), b = acc_zero();
+                if (nv > 1) b = v_mul(qi[1], KV_LOAD(K, kj + VW));
+                for (int d = 2; d < nv; d += 2) {
+                    a = v_fmadd(qi[d], KV_LOAD(K, kj + d * VW), a);
+                    if (d + 1 < nv) b = v_fmadd(qi[d + 1], KV_LOAD(K, kj + (d + 1) * VW), b);
+                }
+                s[i0 + i][j] = acc_sum(v_add(a, b)) * scale;
             }
-            s[i][j] = acc_sum(v_add(a, b)) * scale;
         }
     }
     for (int i = 0; i < rep; i++) {
@@ -81,16 +107,24 @@ static inline __attribute__((always_inline)) void attn_chunk_dh(const float *q, 
         }
         float l = acc_sum(lv);
         for (int j = n / VW * VW; j < n; j++) l += s[i][j];
-        acc_t acc[256 / VW];
-        for (int d = 0; d < nv; d++) acc[d] = acc_zero();
-        for (int j = 0; j < n; j++) {
-            const size_t vj = (size_t)(j0 + j) * dh;
-            acc_t p = v_set1(s[i][j]);
-            for (int d = 0; d < nv; d++) acc[d] = v_fmadd(p, KV_LOAD(V, vj + d * VW), acc[d]);
-        }
-        for (int d = 0; d < nv; d++) v_store(o + d * VW, acc[d]);
         o[dh] = m;
         o[dh + 1] = l;
+    }
+    for (int i0 = 0; i0 < rep; i0 += hb) {
+        const int nh = rep - i0 < hb ? rep - i0 : hb;
+        acc_t acc[256 / VW]; /* nh * nv of them */
+        for (int i = 0; i < nh * nv; i++) acc[i] = acc_zero();
+        for (int j = 0; j < n; j++) {
+            const size_t vj = (size_t)(j0 + j) * dh;
+            for (int d = 0; d < nv; d++) {
+                const acc_t v = KV_LOAD(V, vj + d * VW);
+                for (int i = 0; i < nh; i++)
+                    acc[i * nv + d] = v_fmadd(v_set1(s[i0 + i][j]), v, acc[i * nv + d]);
+            }
+        }
+        for (int i = 0; i < nh; i++)
+            for (int d = 0; d < nv; d++)
+                v_store(out + (size_t)(i0 + i) * (dh + 2) + d * VW, acc[i * nv + d]);
     }
 }
 

@@ -467,11 +467,13 @@ def _attention_ref(q, caches, lens, k, v, scale):
 
 
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dh"), [(9, 3, 64), (4, 4, 128), (16, 2, 32)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dh"), [(9, 3, 64), (4, 4, 128), (16, 2, 32), (32, 4, 64)]
+)
 def test_attention_equals_softmax_reference(lib, monkeypatch, heads, kv_heads, dh, kv):
     """Decoding attention: rows whose caches end on both sides of the kernel's chunks of
     256 positions (an empty cache too), peaked and flat scores, caches of float32 and of
-    float16. Within 1e-5 of a float64 reference on the same keys and values; each row's
+    float16, one to eight query heads a kv head (more than one of the kernel's passes). Within 1e-5 of a float64 reference on the same keys and values; each row's
     new key and value land at its position (in float16 rounded as torch rounds); each row
     is the same bits alone as in its batch, and on one thread as on two."""
     monkeypatch.setattr(native, "_lib", lib)
