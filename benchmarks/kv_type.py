@@ -12,7 +12,12 @@ ratio, and the peak of what the engine held (KV included).
 
 With ``--blocks 300,1250,4000``: instead, one decoding step's native attention blocks
 (every layer, ``--requests`` rows, each with that many cached positions, a cache per
-layer and row as a running engine holds them) timed with each cache type.
+layer and row as a running engine holds them) timed with each cache type; with
+``--against OLD_DIR`` too (another tree's ``backend/kernels``), on this tree's kernels
+and on those, alternating, the same bits checked:
+
+    mkdir -p /tmp/old && git archive HEAD~1 backend/kernels | tar -x -C /tmp/old
+    python benchmarks/kv_type.py --blocks 300,1250,4000 --requests 3 --against /tmp/old/backend/kernels
 
 The demo MoE is built on first use. Run nothing else meanwhile.
 """
@@ -50,9 +55,13 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
-def time_blocks(model, rows: int, contexts: list[int], repeats: int = 10) -> None:
+def time_blocks(
+    model, rows: int, contexts: list[int], builds: dict | None = None, repeats: int = 10
+) -> None:
     """Milliseconds per decoding step of the model's native attention blocks, float32
-    caches against float16, at each context length."""
+    caches against float16, at each context length. With ``builds`` (two names, each a
+    loaded kernel library): each cache type on each, alternating over three rounds
+    (medians), every output checked to be the same bits on both."""
     import time
 
     import torch
@@ -63,8 +72,13 @@ def time_blocks(model, rows: int, contexts: list[int], repeats: int = 10) -> Non
     blocks = [b for b in t.decode_blocks() if b is not None]
     if not blocks or not native.available():
         raise SystemExit("the native attention block does not take this model here")
+    names, rounds = (list(builds), 3) if builds else ([None], 1)
     print(f"{rows} rows, {len(blocks)} layers: ms per decoding step")
-    print("context  float32  float16  f32/f16")
+    if builds:
+        a, b = names
+        print(f"context  float32 {a} / {b}  ratio  float16 {a} / {b}  ratio")
+    else:
+        print("context  float32  float16  f32/f16")
     for n in contexts:
         ms = {}
         rope = t.rope_table(n + 1, torch.float32)
@@ -76,14 +90,35 @@ def time_blocks(model, rows: int, contexts: list[int], repeats: int = 10) -> Non
                 for _ in blocks
             ]
             pos = [n] * rows
-            for i in range(repeats + 1):  # the first, untimed, faults the pages in
-                if i == 1:
-                    start = time.perf_counter()
-                for blk, cache in zip(blocks, caches, strict=True):
-                    native.attention_block(h, blk, rope, cache, pos)
-            ms[dtype] = (time.perf_counter() - start) / repeats * 1e3
-        f32, f16 = ms[torch.float32], ms[torch.float16]
-        print(f"{n:7d}  {f32:7.2f}  {f16:7.2f}  {f32 / f16:6.2f}x", flush=True)
+            times = {name: [] for name in names}
+            for rnd in range(rounds):
+                outs = {}
+                for name in names if rnd % 2 == 0 else names[::-1]:
+                    if name is not None:
+                        native._lib, native._tried = builds[name], True  # library() keeps it
+                    for i in range(repeats + 1):  # the first, untimed, faults the pages in
+                        if i == 1:
+                            start = time.perf_counter()
+                        outs[name] = [
+                            native.attention_block(h, blk, rope, cache, pos)[0]
+                            for blk, cache in zip(blocks, caches, strict=True)
+                        ]
+                    times[name].append((time.perf_counter() - start) / repeats * 1e3)
+                if builds and not all(
+                    torch.equal(u, v) for u, v in zip(*outs.values(), strict=True)
+                ):
+                    raise SystemExit(f"{n} positions, {dtype}: the builds differ in their bits")
+            for name in names:
+                ms[dtype, name] = statistics.median(times[name])
+        if builds:
+            line = f"{n:7d}"
+            for dtype in (torch.float32, torch.float16):
+                mine, other = ms[dtype, a], ms[dtype, b]
+                line += f"  {mine:7.2f} / {other:7.2f}  {other / mine:5.2f}x"
+            print(line, flush=True)
+        else:
+            f32, f16 = ms[torch.float32, None], ms[torch.float16, None]
+            print(f"{n:7d}  {f32:7.2f}  {f16:7.2f}  {f32 / f16:6.2f}x", flush=True)
 
 
 def main() -> None:
@@ -97,10 +132,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--storage", choices=("ssd", "host"), default="ssd")
     ap.add_argument("--blocks", help="context lengths: time the attention blocks alone")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        help="with --blocks: another tree's kernel sources (as q4_kernels.py takes them)",
+    )
     args = ap.parse_args()
     model = load_model(args.model or ensure_demo())
     if args.blocks:
-        time_blocks(model, args.requests, [int(n) for n in args.blocks.split(",")])
+        builds = None
+        if args.against:
+            import tempfile
+
+            from backend.kernels import native
+
+            out = Path(tempfile.mkdtemp(prefix="bevy-attn-"))
+            builds = {"this tree": native.build(), "against": native.build(out, source=args.against)}
+        time_blocks(model, args.requests, [int(n) for n in args.blocks.split(",")], builds)
         return
     prompts = prompts_for(model, args.workload, args.requests)
     refs = {}

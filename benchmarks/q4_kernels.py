@@ -15,7 +15,8 @@ Either must export every function ``backend.kernels.native`` binds.
 packed 16 rows to a group (``native.pack``, what the engine's native backend does to each
 Q4_0/Q4_1 expert in its slot as the slot fills), checking that the two give the
 same bits (both read x rounded to 8 bits per block of 32, as ggml's CPU kernels do);
-with ``--decode``, the engine with and without packing. ``--pack`` times the packing itself
+with ``--decode``, the engine with and without packing; with ``--against``, the packed
+experts on this tree's kernels and on the other build's. ``--pack`` times the packing itself
 (``native.pack`` of an expert's three parts, fresh copies out of the CPU's caches) on one
 thread and on ``--threads``, with ``--against`` for both builds (the same bytes checked).
 
@@ -24,8 +25,8 @@ thread and on ``--threads``, with ``--against`` for both builds (the same bytes 
 medians, and the median of each round's ratio (its two runs back to back).
 
 Experts of the demo's shape ([1536, 576] gate and up, [576, 1536] down; Q4_1, every
-fourth Q4_0), 64 of them taken in turn so that their bytes are not all in the CPU cache,
-as in decoding. ``--kind "Q4_K + Q6_K down"`` (any of ``kquant_experts.KINDS``) times
+fourth Q4_0), 64 of them (``--experts``) taken in turn so that their bytes are not all in
+the CPU cache, as in decoding. ``--kind "Q4_K + Q6_K down"`` (any of ``kquant_experts.KINDS``) times
 experts of that file type and Qwen3-30B-A3B's shape instead. With ``--against``, both
 builds run interleaved in one process (the order alternating between rounds, so that
 drift of the machine cancels), the medians are compared, and every output of the two is
@@ -103,6 +104,7 @@ def main() -> int:
     ap.add_argument("--kind", help="a kquant_experts.KINDS name (default: the demo's Q4_1)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--experts", type=int, default=EXPERTS, help="experts taken in turn")
     ap.add_argument("--allow-different-bits", action="store_true")
     ap.add_argument("--packed", action="store_true", help="as stored against packed (above)")
     ap.add_argument("--decode", action="store_true", help="time decoding runs (see above)")
@@ -120,7 +122,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     if args.decode:
         return decode(builds, args)
-    parts, hidden = k_experts(args.kind, EXPERTS) if args.kind else (experts(EXPERTS), HIDDEN)
+    parts, hidden = k_experts(args.kind, args.experts) if args.kind else (experts(args.experts), HIDDEN)
     if args.pack:
         return pack_times(parts, builds, args)
     # name -> (library, experts, which of each expert's parts are packed)
@@ -142,6 +144,8 @@ def main() -> int:
             "as stored": variants["this tree"],
             "packed": (builds["this tree"], packed, flags),
         }
+        if args.against:  # the packed experts on both builds (the layout is the same)
+            variants = {name: (lib, packed, flags) for name, lib in builds.items()}
     rows = [int(r) for r in args.rows.split(",")]
     times: dict[tuple[int, str], list[float]] = {}
     for rnd in range(args.rounds):
