@@ -147,7 +147,10 @@ def main() -> None:
             from backend.kernels import native
 
             out = Path(tempfile.mkdtemp(prefix="bevy-attn-"))
-            builds = {"this tree": native.build(), "against": native.build(out, source=args.against)}
+            builds = {
+                "this tree": native.build(),
+                "against": native.build(out, source=args.against),
+            }
         time_blocks(model, args.requests, [int(n) for n in args.blocks.split(",")], builds)
         return
     prompts = prompts_for(model, args.workload, args.requests)

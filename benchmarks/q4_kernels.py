@@ -122,7 +122,9 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     if args.decode:
         return decode(builds, args)
-    parts, hidden = k_experts(args.kind, args.experts) if args.kind else (experts(args.experts), HIDDEN)
+    parts, hidden = (
+        k_experts(args.kind, args.experts) if args.kind else (experts(args.experts), HIDDEN)
+    )
     if args.pack:
         return pack_times(parts, builds, args)
     # name -> (library, experts, which of each expert's parts are packed)
