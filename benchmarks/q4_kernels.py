@@ -16,9 +16,10 @@ packed 16 rows to a group (``native.pack``, what the engine's native backend doe
 Q4_0/Q4_1 expert in its slot as the slot fills), checking that the two give the
 same bits (both read x rounded to 8 bits per block of 32, as ggml's CPU kernels do);
 with ``--decode``, the engine with and without packing; with ``--against``, the packed
-experts on this tree's kernels and on the other build's. ``--pack`` times the packing itself
-(``native.pack`` of an expert's three parts, fresh copies out of the CPU's caches) on one
-thread and on ``--threads``, with ``--against`` for both builds (the same bytes checked).
+experts on this tree's kernels and on the other build's. ``--pack`` times the packing
+itself (``native.pack`` of an expert's three parts, fresh copies out of the CPU's caches)
+on one thread and on ``--threads``, with ``--against`` for both builds (the same bytes
+checked).
 
 ``--decode`` compares whole decoding runs instead (``bevy bench``'s run on the demo MoE,
 ``--storage ssd``), each policy with each build in turn, and prints decode tokens/s: the
@@ -26,8 +27,9 @@ medians, and the median of each round's ratio (its two runs back to back).
 
 Experts of the demo's shape ([1536, 576] gate and up, [576, 1536] down; Q4_1, every
 fourth Q4_0), 64 of them (``--experts``) taken in turn so that their bytes are not all in
-the CPU cache, as in decoding. ``--kind "Q4_K + Q6_K down"`` (any of ``kquant_experts.KINDS``) times
-experts of that file type and Qwen3-30B-A3B's shape instead. With ``--against``, both
+the CPU cache, as in decoding. ``--kind "Q4_K + Q6_K down"`` (any of
+``kquant_experts.KINDS``) times experts of that file type and Qwen3-30B-A3B's shape
+instead. With ``--against``, both
 builds run interleaved in one process (the order alternating between rounds, so that
 drift of the machine cancels), the medians are compared, and every output of the two is
 checked to be the same bits unless ``--allow-different-bits``.

@@ -473,9 +473,10 @@ def _attention_ref(q, caches, lens, k, v, scale):
 def test_attention_equals_softmax_reference(lib, monkeypatch, heads, kv_heads, dh, kv):
     """Decoding attention: rows whose caches end on both sides of the kernel's chunks of
     256 positions (an empty cache too), peaked and flat scores, caches of float32 and of
-    float16, one to eight query heads a kv head (more than one of the kernel's passes). Within 1e-5 of a float64 reference on the same keys and values; each row's
-    new key and value land at its position (in float16 rounded as torch rounds); each row
-    is the same bits alone as in its batch, and on one thread as on two."""
+    float16, one to eight query heads a kv head (more than one of the kernel's passes).
+    Within 1e-5 of a float64 reference on the same keys and values; each row's new key
+    and value land at its position (in float16 rounded as torch rounds); each row is the
+    same bits alone as in its batch, and on one thread as on two."""
     monkeypatch.setattr(native, "_lib", lib)
     gen = torch.Generator().manual_seed(heads * dh)
     lens = [0, 1, 255, 256, 257, 700]
