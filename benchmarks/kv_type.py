@@ -138,6 +138,8 @@ def main() -> None:
         help="with --blocks: another tree's kernel sources (as q4_kernels.py takes them)",
     )
     args = ap.parse_args()
+    if args.against and not args.blocks:
+        ap.error("--against compares the attention blocks: give --blocks too")
     model = load_model(args.model or ensure_demo())
     if args.blocks:
         builds = None
