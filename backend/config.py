@@ -280,7 +280,8 @@ class EngineConfig:
     # of its rows, then the rest in slices of this many rows, with other requests' jobs
     # run between parts so that one long prompt does not stall every chat. 0: each
     # prompt's layer in one job. Policies that move requests together (sync,
-    # prefetch-*, bevy-static) never slice.
+    # prefetch-*, bevy-static) never slice. On the CPU a multiple of 512 keeps each
+    # prompt's bits those of one whole job (``JobRunner.run_rows``).
     prefill_chunk: int = 512
     # How experts are computed: "auto" (chosen at start from the device, the slot format,
     # the experts' block types and what builds) or one of EXPERT_BACKENDS, which must

@@ -15,6 +15,19 @@ from backend.engine.request import Request
 from backend.kernels.decode import Walk
 from backend.models.transformer import SeqSlice, Transformer
 
+# A prompt's last slice takes in what would be left after it under this many rows (or a
+# quarter of a slice, for slices under four times this): below a few dozen rows the
+# CPU's BLAS rounds a product's rows by how many there are (docs/performance.md, "BLAS
+# rounds a few rows by how many there are"), so a short last slice would get other bits
+# than the same rows read in one job.
+MIN_LAST_SLICE = 128
+
+
+def slice_end(row: int, rows: int, n: int) -> int:
+    """Where the slice of up to ``rows`` rows from ``row`` of an ``n``-row prompt ends."""
+    end = min(row + rows, n)
+    return n if n - end < min(MIN_LAST_SLICE, rows // 4) else end
+
 
 class JobRunner:
     """Runs jobs for groups of requests at one layer: the routed experts through the
@@ -87,17 +100,21 @@ class JobRunner:
 
     @torch.inference_mode()
     def run_rows(self, r: Request, rows: int) -> torch.Tensor | None:
-        """The next ``rows`` rows of a prompt's job (``r.row`` on), with the layer's MoE
-        applied (``apply``; nothing while ``r.entering``): the rest of the layer, then
-        attention and router of the next layer, whose KV they write after the rows
-        before them. Once every row is done the request moves to that layer; after the
-        last layer the prompt's logits [1, V] come back instead.
+        """The next ``rows`` rows of a prompt's job (``r.row`` on; the rest with them if
+        few would be left, ``slice_end``), with the layer's MoE applied (``apply``;
+        nothing while ``r.entering``): the rest of the layer, then attention and router
+        of the next layer, whose KV they write after the rows before them. Once every
+        row is done the request moves to that layer; after the last layer the prompt's
+        logits [1, V] come back instead.
 
         Each row's result is the bits it gets in the whole job: the norms and
         projections work row by row, and a row's attention reads the KV of the rows
-        before it, which the earlier slices wrote."""
+        before it, which the earlier slices wrote. On the CPU that holds where slices
+        are a multiple of 512 rows (``EngineConfig.prefill_chunk``): torch's attention
+        kernel reads keys in blocks of 512 and rounds a block by its length, so a
+        slice ending inside a block rounds its last rows' attention differently."""
         t, layer = self.t, r.layer
-        a, b = r.row, min(r.row + rows, r.n)
+        a, b = r.row, slice_end(r.row, rows, r.n)
         if r.entering:
             out, nxt = r.emb[a:b], 0
         else:

@@ -34,7 +34,7 @@ from backend.engine.balance import Balancer
 from backend.engine.cache import Claims, ExpertCache
 from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
-from backend.engine.jobs import JobRunner
+from backend.engine.jobs import JobRunner, slice_end
 from backend.engine.memory import release_pages, rss_bytes, trim_heap
 from backend.engine.pool import ComputePool, cpu_domain
 from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
@@ -779,7 +779,7 @@ class Engine:
         part = None
         ids: tuple[str, ...] = (r.id,)
         if r.entering or len(r.done) == len(r.needed):
-            rows = min(self.prefill_chunk, r.n - r.row)
+            rows = slice_end(r.row, self.prefill_chunk, r.n) - r.row
             logits = self.jobs.run_rows(r, self.prefill_chunk)
         else:
             part = self._experts_part(r)

@@ -128,7 +128,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=EngineConfig.prefill_chunk,
         metavar="TOKENS",
         help="read longer prompts in slices of this many tokens, letting running requests "
-        "decode between them (0: each prompt's layer whole)",
+        "decode between them (0: each prompt's layer whole; on the CPU a multiple of 512 "
+        "gives the bits of a whole prompt)",
     )
     _add_store_args(p)
 

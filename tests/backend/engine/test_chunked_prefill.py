@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backend.config import EngineConfig, SamplingParams
+from backend.engine.jobs import slice_end
 from backend.engine.loop import Engine
 from backend.kernels.quants import QType
 from backend.messages import Abort, Finished, Submit, TokenEvent
@@ -232,3 +233,40 @@ def test_long_prompts_at_one_layer_share_its_parts_and_keep_their_bits(
             assert torch.equal(together[i], alone[i]), i
         else:
             assert (together[i] - alone[i]).abs().max().item() <= 1e-5, i
+
+
+def test_a_short_last_slice_joins_the_one_before() -> None:
+    assert [slice_end(r, 512, 1028) for r in (0, 512)] == [512, 1028]
+    assert slice_end(0, 512, 1200) == 512 and slice_end(512, 512, 1200) == 1024
+    assert slice_end(0, 3, 12) == 3 and slice_end(9, 3, 12) == 12
+    assert slice_end(0, 3, 4) == 3  # slices of a few rows keep their size
+
+
+def test_a_prompt_read_in_slices_of_512_gets_the_bits_of_one_whole_job() -> None:
+    """The demo MoE (its dense products through BLAS for a prompt) with a prompt of two
+    512-row slices and 4 rows more: those 4 rows alone would round the router's product
+    their own way; read with the slice before them, the first token's logits are the
+    bits of the whole prompt's forward."""
+    from backend.demo.build import ensure_demo
+    from backend.models.transformer import KVCache, SeqSlice
+
+    model = load_model(ensure_demo(quiet=True))
+    prompt = [(37 * i) % 4000 + 100 for i in range(1028)]
+    t = model.transformer
+    whole = t.forward(
+        torch.tensor(prompt),
+        [SeqSlice(KVCache(model.config.n_layers), 0, len(prompt))],
+        model.resident_experts(native=True).for_compute,
+    )
+    eng = Engine(model, EngineConfig(cache="1.0", storage="host", prefill_chunk=512))
+    eng.logits_log = {}
+    try:
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        eng.submit(Submit("long", one, prompt_ids=prompt))
+        while eng.has_work:
+            eng.step()
+        rows = [e.tokens for e in eng.telemetry.compute if e.layer == -1]
+        assert rows == [512, 516]  # attention of layer 0 in two slices
+        assert torch.equal(eng.logits_log["long"][0], whole[0])
+    finally:
+        eng.close()
