@@ -23,10 +23,20 @@ from backend.models.transformer import SeqSlice, Transformer
 MIN_LAST_SLICE = 128
 
 
+def _short_rest(rows: int) -> int:
+    """Rows left after a slice of ``rows`` that it takes in: fewer than this."""
+    return min(MIN_LAST_SLICE, rows // 4)
+
+
 def slice_end(row: int, rows: int, n: int) -> int:
     """Where the slice of up to ``rows`` rows from ``row`` of an ``n``-row prompt ends."""
     end = min(row + rows, n)
-    return n if n - end < min(MIN_LAST_SLICE, rows // 4) else end
+    return n if n - end < _short_rest(rows) else end
+
+
+def longest_slice(rows: int) -> int:
+    """The most rows a slice of ``rows`` may take (``slice_end``)."""
+    return rows + max(0, _short_rest(rows) - 1)
 
 
 class JobRunner:

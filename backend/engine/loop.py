@@ -34,7 +34,7 @@ from backend.engine.balance import Balancer
 from backend.engine.cache import Claims, ExpertCache
 from backend.engine.experts.grouped import GROUPED_BYTES
 from backend.engine.fetcher import QUEUED_EXPERTS, Fetcher
-from backend.engine.jobs import MIN_LAST_SLICE, JobRunner, slice_end
+from backend.engine.jobs import JobRunner, longest_slice, slice_end
 from backend.engine.memory import release_pages, rss_bytes, trim_heap
 from backend.engine.pool import ComputePool, cpu_domain
 from backend.engine.prefetch import PREFETCH_PRIORITY, Prefetcher
@@ -333,9 +333,8 @@ class Engine:
         # Activations of the largest job (a prompt slice, or a whole prompt where slices
         # are off or the policy never slices) besides KV: what running requests take
         # beyond what admission counts.
-        chunk = self.prefill_chunk  # a slice may take in a short rest after it (``slice_end``)
-        rows = chunk + max(0, min(MIN_LAST_SLICE, chunk // 4) - 1) if chunk else 0
-        rows = rows or min(c.context_length, 4096)
+        chunk = self.prefill_chunk
+        rows = longest_slice(chunk) if chunk else min(c.context_length, 4096)
         scratch = _SCRATCH_BASE + rows * c.hidden_size * 4 * _SCRATCH_ROW_VECTORS
         if backend == "grouped":  # a layer's experts decoded at once, beside their bytes
             per_layer = c.n_experts * 3 * c.hidden_size * c.expert_intermediate_size * 4

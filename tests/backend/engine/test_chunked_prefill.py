@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.config import EngineConfig, SamplingParams
-from backend.engine.jobs import slice_end
+from backend.engine.jobs import longest_slice, slice_end
 from backend.engine.loop import Engine
 from backend.kernels.quants import QType
 from backend.messages import Abort, Finished, Submit, TokenEvent
@@ -240,6 +240,8 @@ def test_a_short_last_slice_joins_the_one_before() -> None:
     assert slice_end(0, 512, 1200) == 512 and slice_end(512, 512, 1200) == 1024
     assert slice_end(0, 3, 12) == 3 and slice_end(9, 3, 12) == 12
     assert slice_end(0, 3, 4) == 3  # slices of a few rows keep their size
+    assert longest_slice(512) == 639 and slice_end(0, 512, 639) == 639
+    assert slice_end(0, 512, 640) == 512 and longest_slice(3) == 3
 
 
 def test_a_prompt_read_in_slices_of_512_gets_the_bits_of_one_whole_job() -> None:
